@@ -1,0 +1,412 @@
+"""The fused executor: the whole training step of a part tree as one compiled XLA program."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import errors as _errors
+from ._compose import check_part
+from ._core import (
+    FiniteFlag,
+    PartMetrics,
+    PyTree,
+    all_finite,
+    display_path,
+    iter_metrics,
+)
+
+NONFINITE_POLICIES = ("skip", "raise", "ignore")
+NORMALISATIONS = ("active", "rows")
+
+
+class Counters(eqx.Module):
+    """Step counters carried (and donated) with the state: attempted and skipped steps."""
+
+    steps: jax.Array
+    skipped: jax.Array
+
+
+class StepMetrics(eqx.Module):
+    """Everything one step reports: the loss (NaN without one), whether the step was
+    committed, and the parts' metrics tree (keyed like the state tree)."""
+
+    loss: jax.Array
+    committed: jax.Array
+    parts: PyTree
+
+
+class NonFiniteStepError(FloatingPointError):
+    """Raised (policy `"raise"`) when a step produced NaN or infinity; names the part."""
+
+
+def copy_tree(tree: PyTree) -> PyTree:
+    """A fresh copy of every array leaf (so donation of the original never reaches it)."""
+    return jax.tree_util.tree_map(
+        lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array | np.ndarray) else a, tree
+    )
+
+
+def normalise_active(error: jax.Array) -> jax.Array:
+    """Scale $E$ by rows / active rows; a row is active when any entry is non-zero.
+
+    $E \\leftarrow E \\cdot R / \\max(A, 1)$, with $R$ rows (all leading axes flattened) and $A$ the
+    rows with a non-zero entry. Rows of zero error are padding: the row means that every part
+    takes then average over the real rows only.
+    """
+    rows = error.reshape(-1, error.shape[-1])
+    active = jnp.sum(jnp.any(rows != 0, axis=-1).astype(error.dtype))
+    return error * (rows.shape[0] / jnp.maximum(active, 1.0))
+
+
+class FusedPipeline:
+    """Trains a tree of parts; every step is one compiled XLA program with its state donated.
+
+    Args:
+        tree: the root part.
+        error_fn: the descent error at the output: `None` (squared error, $y - t$), a name from
+            `fusedpc.errors` (`"softmax_cross_entropy"`, `"cross_entropy"`, ...), an
+            `ErrorFunction`, or a callable `error_fn(output, target) -> error`.
+        error_normalisation: `"active"` rescales the error by rows / rows with a non-zero error
+            (zero rows are padding); `"rows"` leaves it.
+        key: PRNG key for the parts' initial state (default `jax.random.key(0)`).
+        nonfinite: what a step whose new state, output or input error holds NaN/inf does:
+            `"skip"` keeps the old state (inside the program) and counts the step as skipped;
+            `"raise"` does the same and raises `NonFiniteStepError` at the next call;
+            `"ignore"` commits it anyway.
+        mesh: a `jax.sharding.Mesh` with a `"data"` axis: batches are sharded over it and the
+            state replicated, so every row mean becomes a cross-device reduction.
+
+    Only the state is donated: after `step`, arrays previously read from `pipeline.state` are
+    dead; the caller's batch and the part objects the pipeline was built from stay valid.
+    """
+
+    def __init__(
+        self,
+        tree: Any,
+        error_fn: _errors.ErrorFunction | str | Callable | None = None,
+        error_normalisation: str = "active",
+        *,
+        key: jax.Array | None = None,
+        nonfinite: str = "skip",
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        check_part(tree, "FusedPipeline(tree)")
+        if error_normalisation not in NORMALISATIONS:
+            raise ValueError(
+                f"error_normalisation: expected one of {NORMALISATIONS}, got "
+                f"{error_normalisation!r}."
+            )
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"nonfinite: expected one of {NONFINITE_POLICIES}, got {nonfinite!r}."
+            )
+        self.tree = tree
+        self.error_fn = _errors.resolve(error_fn)
+        self.error_normalisation = error_normalisation
+        self.nonfinite = nonfinite
+        self.mesh = mesh
+        if mesh is not None and "data" not in mesh.axis_names:
+            raise ValueError(
+                f"mesh: expected a mesh with a 'data' axis, got axes {mesh.axis_names}."
+            )
+        self._core = tree.compile("")
+        key = jax.random.key(0) if key is None else key
+        # Copy once: the part objects' own arrays must survive the first donated step.
+        self._state = self._place_state(copy_tree(tree.init_state(key)))
+        self._counters = self._place_state(
+            Counters(steps=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
+        )
+        self._last: StepMetrics | None = None
+        self._pending: StepMetrics | None = None
+        self._checked: set = set()
+        self.trace_counts = {"step": 0, "run": 0, "predict": 0}
+        self._step_jit = jax.jit(self._step_program, donate_argnums=(0,))
+        self._run_jit = jax.jit(
+            self._run_program, donate_argnums=(0,), static_argnames=("keep_outputs",)
+        )
+        self._predict_jit = jax.jit(self._predict_program)
+
+    # ------------------------------------------------------------------ placement
+    def _place_state(self, tree: PyTree) -> PyTree:
+        if self.mesh is None:
+            return tree
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.device_put(tree, replicated)
+
+    def _place_batch(self, x: Any, axis: int = 0) -> Any:
+        if self.mesh is None:
+            return x
+        x = jnp.asarray(x)
+        n = self.mesh.shape["data"]
+        if x.shape[axis] % n:
+            raise ValueError(
+                f"batch: the batch axis (size {x.shape[axis]}) must divide over the mesh's "
+                f"'data' axis of {n} devices; pad it with zero-error rows (ignored by "
+                "error_normalisation='active') or change the batch size."
+            )
+        spec = [None] * x.ndim
+        spec[axis] = "data"
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.device_put(x, sharding)
+
+    # ------------------------------------------------------------------ programs
+    def _one_step(self, carry, x, target):
+        state, counters = carry
+        y, cache = self._core.forward(state, x)
+        error = self.error_fn.error(y, target)
+        if self.error_normalisation == "active":
+            error = normalise_active(error)
+        input_error, new_state, part_metrics = self._core.backward(state, cache, error)
+        if self.error_fn.loss is None:
+            loss = jnp.full((), jnp.nan, jnp.float32)
+        else:
+            loss = self.error_fn.loss(y, target).astype(jnp.float32)
+        finite = all_finite((new_state, y, input_error))
+        if self.nonfinite == "ignore":
+            committed = jnp.array(True)
+        else:
+            committed = finite
+            new_state = jax.tree_util.tree_map(
+                lambda n, o: jnp.where(committed, n, o), new_state, state
+            )
+        counters = Counters(
+            steps=counters.steps + 1,
+            skipped=counters.skipped + (~committed).astype(jnp.int32),
+        )
+        metrics = StepMetrics(loss=loss, committed=committed, parts=part_metrics)
+        return (new_state, counters), y, input_error, metrics
+
+    def _step_program(self, carry, x, target):
+        self.trace_counts["step"] += 1
+        return self._one_step(carry, x, target)
+
+    def _run_program(self, carry, xs, targets, keep_outputs=True):
+        self.trace_counts["run"] += 1
+
+        def body(c, batch):
+            c, y, e, m = self._one_step(c, *batch)
+            return c, ((y, e) if keep_outputs else None, m)
+
+        carry, (outs, metrics) = jax.lax.scan(body, carry, (xs, targets))
+        ys, es = outs if keep_outputs else (None, None)
+        return carry, ys, es, metrics
+
+    def _predict_program(self, state, x):
+        self.trace_counts["predict"] += 1
+        return self._core.forward(state, x)[0]
+
+    # ------------------------------------------------------------------ checks
+    def _check_pending(self) -> None:
+        """Policy `"raise"`: raise for a previous step that was not finite."""
+        if self.nonfinite != "raise" or self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        committed = np.asarray(pending.committed).reshape(-1)
+        if not committed.all():
+            bad = int(np.argmin(committed))
+            raise NonFiniteStepError(
+                f"step {bad} of the last call produced a non-finite value first in part "
+                f"{self._first_nonfinite(pending, bad)!r}; the state was kept as it was before "
+                "that step. Lower that part's learning rate or check its inputs."
+            )
+
+    def check(self, x: Any, target: Any) -> jax.ShapeDtypeStruct:
+        """Check the tree against a batch with `jax.eval_shape` (nothing is compiled or run).
+
+        Raises an error naming the part path, the expected and the actual shape, on width or
+        rank mismatches; returns the output's shape and dtype.
+        """
+        x_shape = jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+        t_shape = jax.ShapeDtypeStruct(jnp.shape(target), jnp.result_type(target))
+        out = jax.eval_shape(self._one_step, (self._state, self._counters), x_shape, t_shape)
+        return out[1]
+
+    def _validate(self, x: Any, target: Any, batched: bool) -> None:
+        if jnp.ndim(x) == 0 or jnp.shape(x)[0] == 0 or (batched and jnp.shape(x)[1] == 0):
+            raise ValueError(
+                f"x: expected a non-empty batch, got shape {tuple(jnp.shape(x))}."
+            )
+        self.tree.validate_input(x, "")
+        signature = (
+            batched,
+            tuple(jnp.shape(x)),
+            str(jnp.result_type(x)),
+            tuple(jnp.shape(target)),
+            str(jnp.result_type(target)),
+        )
+        if signature not in self._checked:
+            if batched:
+                if jnp.shape(x)[0] != jnp.shape(target)[0]:
+                    raise ValueError(
+                        f"run: xs and targets must have the same number of steps on axis 0, "
+                        f"got {jnp.shape(x)[0]} and {jnp.shape(target)[0]}."
+                    )
+                self.check(x[0], target[0])
+            else:
+                self.check(x, target)
+            self._checked.add(signature)
+
+    # ------------------------------------------------------------------ public API
+    def step(self, x: Any, target: Any) -> tuple[jax.Array, Any]:
+        """One training step, one compiled call. Returns `(output, input_error)`."""
+        self._check_pending()
+        self._validate(x, target, batched=False)
+        carry, y, input_error, metrics = self._step_jit(
+            (self._state, self._counters), self._place_batch(x), self._place_batch(target)
+        )
+        self._state, self._counters = carry
+        self._last = metrics
+        self._pending = metrics
+        return y, input_error
+
+    def run(
+        self, xs: Any, targets: Any, *, keep_outputs: bool = True
+    ) -> tuple[Any, Any, StepMetrics]:
+        """K steps in one compiled call (`lax.scan` over the leading axis of `xs`/`targets`).
+
+        Equal to K calls of `step`. Returns stacked `(outputs, input_errors, metrics)`;
+        with `keep_outputs=False` the outputs and input errors are not kept (`None`), which
+        saves their memory when only the losses and reports are wanted.
+        """
+        self._check_pending()
+        self._validate(xs, targets, batched=True)
+        carry, ys, es, metrics = self._run_jit(
+            (self._state, self._counters),
+            self._place_batch(xs, axis=1),
+            self._place_batch(targets, axis=1),
+            keep_outputs=keep_outputs,
+        )
+        self._state, self._counters = carry
+        self._last = metrics
+        self._pending = metrics
+        return ys, es, metrics
+
+    def predict(self, x: Any) -> jax.Array:
+        """Forward only; never donates and leaves the state untouched."""
+        if jnp.ndim(x) == 0 or jnp.shape(x)[0] == 0:
+            raise ValueError(f"x: expected a non-empty batch, got shape {tuple(jnp.shape(x))}.")
+        self.tree.validate_input(x, "")
+        return self._predict_jit(self._state, self._place_batch(x))
+
+    @property
+    def state(self) -> PyTree:
+        """The current state pytree (live buffers: donated, hence dead, at the next step)."""
+        return self._state
+
+    @property
+    def steps(self) -> int:
+        """Steps attempted so far (committed or skipped)."""
+        return int(self._counters.steps)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps not committed because they produced a non-finite value."""
+        return int(self._counters.skipped)
+
+    @property
+    def last_loss(self) -> float | None:
+        """The loss of the last step (the last inner step of `run`), or None before any."""
+        if self._last is None:
+            return None
+        return float(np.asarray(self._last.loss).reshape(-1)[-1])
+
+    @property
+    def last_metrics(self) -> StepMetrics | None:
+        """The last call's metrics (stacked over K for `run`), still on device."""
+        return self._last
+
+    def merge(self) -> Any:
+        """The tree with the current state written back, holding copies (safe to keep)."""
+        return self._core.write_back(copy_tree(self._state))
+
+    def set_state(self, state: PyTree, steps: int = 0, skipped: int = 0) -> None:
+        """Replace the state (e.g. from a checkpoint); its structure, shapes and dtypes must
+        match the current one exactly."""
+        expected = jax.tree_util.tree_structure(self._state)
+        actual = jax.tree_util.tree_structure(state)
+        if expected != actual:
+            raise ValueError(
+                f"set_state: the state's tree structure differs from this pipeline's.\n"
+                f"expected: {expected}\nactual:   {actual}"
+            )
+        for (path, old), new in zip(
+            jax.tree_util.tree_leaves_with_path(self._state), jax.tree_util.tree_leaves(state)
+        ):
+            if jnp.shape(old) != jnp.shape(new) or jnp.result_type(old) != jnp.result_type(new):
+                raise ValueError(
+                    f"set_state: leaf {jax.tree_util.keystr(path)} expected "
+                    f"{jnp.result_type(old)}{list(jnp.shape(old))}, got "
+                    f"{jnp.result_type(new)}{list(jnp.shape(new))}."
+                )
+        self._state = self._place_state(copy_tree(state))
+        self._counters = self._place_state(
+            Counters(
+                steps=jnp.asarray(steps, jnp.int32), skipped=jnp.asarray(skipped, jnp.int32)
+            )
+        )
+        self._last = None
+        self._pending = None
+
+    # ------------------------------------------------------------------ reports
+    @staticmethod
+    def _select_step(metrics: StepMetrics, index: int) -> StepMetrics:
+        if np.ndim(metrics.committed) == 0:
+            return metrics
+        return jax.tree_util.tree_map(lambda a: a[index], metrics)
+
+    def _first_nonfinite(self, metrics: StepMetrics, index: int = -1) -> str | None:
+        """The first part, in backward order, whose update or emitted error was non-finite."""
+        chosen = self._select_step(metrics, index)
+        bad = [
+            path
+            for path, m in iter_metrics(chosen.parts)
+            if not bool(np.asarray(m.finite))
+        ]
+        return display_path(bad[-1]) if bad else None
+
+    def report(self, index: int = -1) -> list[dict[str, Any]]:
+        """One row per learning part for the last step (the `index`-th inner step of `run`).
+
+        Each row: `part` (its path in the tree), `layer_sizes`, `update_norm`, `error_norm`,
+        `weight_norm`, `update_ratio` (update / weight norm, the number to calibrate a part's
+        learning rate by) and `finite`. Empty before the first step.
+        """
+        if self._last is None:
+            return []
+        chosen = jax.device_get(self._select_step(self._last, index))
+        rows = []
+        for path, m in iter_metrics(chosen.parts):
+            if not isinstance(m, PartMetrics):
+                continue
+            update, weight = float(m.update_norm), float(m.weight_norm)
+            rows.append(
+                {
+                    "part": display_path(path),
+                    "layer_sizes": list(m.layer_sizes),
+                    "update_norm": update,
+                    "error_norm": float(m.error_norm),
+                    "weight_norm": weight,
+                    "update_ratio": update / weight if weight > 0 else float("nan"),
+                    "finite": bool(m.finite),
+                }
+            )
+        return rows
+
+    def nonfinite_part(self, index: int = -1) -> str | None:
+        """The part where the last step's non-finite value first appeared (backward order),
+        or None when the step was finite."""
+        if self._last is None:
+            return None
+        chosen = self._select_step(self._last, index)
+        if bool(np.asarray(chosen.committed)) and self.nonfinite != "ignore":
+            return None
+        return self._first_nonfinite(self._last, index)
+
+
+__all__ = ["FusedPipeline", "NonFiniteStepError", "StepMetrics", "FiniteFlag"]
