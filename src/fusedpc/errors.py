@@ -5,10 +5,11 @@ $E = \\partial \\ell_r / \\partial \\text{output}$ — with the scalar loss it i
 (the row mean of $\\ell_r$), which the executor reports as `loss`.
 
 * `squared`: $E = y - t$, loss $\\operatorname{mean}_r \\tfrac12 \\lVert y_r - t_r \\rVert^2$.
-* `softmax_cross_entropy`: the output holds logits; $E = \\mathrm{softmax}(y) - \\mathrm{onehot}(t)$,
-  loss = mean cross-entropy.
-* `cross_entropy`: the output holds probabilities (a categorical head); $E = p - \\mathrm{onehot}(t)$
-  (the error at the head's logits, which the categorical head expects), loss $-\\log p_t$.
+* `softmax_cross_entropy`: the output holds logits;
+  $E = \\mathrm{softmax}(y) - \\mathrm{onehot}(t)$, loss = mean cross-entropy.
+* `cross_entropy`: the output holds probabilities (a categorical head);
+  $E = p - \\mathrm{onehot}(t)$ (the error at the head's logits, which the categorical head
+  expects), loss $-\\log p_t$.
 * `sigmoid_cross_entropy`: the output holds probabilities of a binary head; $E = p - t$.
 
 Targets for the cross-entropies are integer class ids of shape `output.shape[:-1]` or one-hot /
