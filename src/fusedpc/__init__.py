@@ -20,3 +20,12 @@ from ._frozen import Frozen as Frozen
 from ._frozen import FrozenState as FrozenState
 
 __version__ = "0.1.0"
+from . import transplant as transplant
+from ._embedding import EmbeddingState as EmbeddingState
+from ._embedding import LayerNormState as LayerNormState
+from ._embedding import LearningEmbedding as LearningEmbedding
+from ._embedding import LearningLayerNorm as LearningLayerNorm
+from ._learning import LearningNetwork as LearningNetwork
+from ._learning import LearningNetworkState as LearningNetworkState
+from ._learning import NetworkParams as NetworkParams
+from ._network import PCNetwork as PCNetwork

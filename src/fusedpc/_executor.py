@@ -81,6 +81,9 @@ class FusedPipeline:
             `"ignore"` commits it anyway.
         mesh: a `jax.sharding.Mesh` with a `"data"` axis: batches are sharded over it and the
             state replicated, so every row mean becomes a cross-device reduction.
+        check_device_ids: value checks of inputs (token ids inside the vocabulary) run on host
+            arrays always; on arrays already on the device only when True, since reading
+            them back costs a device-to-host transfer per call.
 
     Only the state is donated: after `step`, arrays previously read from `pipeline.state` are
     dead; the caller's batch and the part objects the pipeline was built from stay valid.
@@ -95,6 +98,7 @@ class FusedPipeline:
         key: jax.Array | None = None,
         nonfinite: str = "skip",
         mesh: jax.sharding.Mesh | None = None,
+        check_device_ids: bool = False,
     ):
         check_part(tree, "FusedPipeline(tree)")
         if error_normalisation not in NORMALISATIONS:
@@ -111,6 +115,7 @@ class FusedPipeline:
         self.error_normalisation = error_normalisation
         self.nonfinite = nonfinite
         self.mesh = mesh
+        self.check_device_ids = bool(check_device_ids)
         if mesh is not None and "data" not in mesh.axis_names:
             raise ValueError(
                 f"mesh: expected a mesh with a 'data' axis, got axes {mesh.axis_names}."
@@ -227,12 +232,17 @@ class FusedPipeline:
         out = jax.eval_shape(self._one_step, (self._state, self._counters), x_shape, t_shape)
         return out[1]
 
+    def _validate_values(self, x: Any) -> None:
+        if isinstance(x, jax.Array) and not self.check_device_ids:
+            x = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        self.tree.validate_input(x, "")
+
     def _validate(self, x: Any, target: Any, batched: bool) -> None:
         if jnp.ndim(x) == 0 or jnp.shape(x)[0] == 0 or (batched and jnp.shape(x)[1] == 0):
             raise ValueError(
                 f"x: expected a non-empty batch, got shape {tuple(jnp.shape(x))}."
             )
-        self.tree.validate_input(x, "")
+        self._validate_values(x)
         signature = (
             batched,
             tuple(jnp.shape(x)),
@@ -291,7 +301,7 @@ class FusedPipeline:
         """Forward only; never donates and leaves the state untouched."""
         if jnp.ndim(x) == 0 or jnp.shape(x)[0] == 0:
             raise ValueError(f"x: expected a non-empty batch, got shape {tuple(jnp.shape(x))}.")
-        self.tree.validate_input(x, "")
+        self._validate_values(x)
         return self._predict_jit(self._state, self._place_batch(x))
 
     @property

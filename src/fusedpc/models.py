@@ -320,7 +320,11 @@ def make_backprop_step(
                 spec,
                 is_leaf=_is_none,
             )
-        updates, opt_state = optimiser.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        # Optax mixes Python floats with int32 step counts (Adam's bias correction), which
+        # fails under `jax_numpy_dtype_promotion="strict"`; run it under standard promotion.
+        with jax.numpy_dtype_promotion("standard"):
+            params = eqx.filter(model, eqx.is_array)
+            updates, opt_state = optimiser.update(grads, opt_state, params)
         if frozen_layer_norm:
             updates = jax.tree.map(lambda u, f: None if f else u, updates, spec, is_leaf=_is_none)
         model = eqx.apply_updates(model, updates)

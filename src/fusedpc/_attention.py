@@ -1,0 +1,277 @@
+"""Multi-head causal self-attention: four slots (or a fused QKV slot and an output slot), each
+any part, around a weight-free mixing step with a hand-derived backward."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._compose import check_part
+from ._core import (
+    AbstractPart,
+    Core,
+    PyTree,
+    display_path,
+    expect_rank,
+    join_path,
+    replace_fields,
+)
+
+_SEPARATE = ("wq", "wk", "wv")
+_LAYOUT = "(batch, seq, features)"
+
+
+class AttentionState(eqx.Module):
+    """State of a `MultiHeadAttention`: one field per slot (the unused ones are None)."""
+
+    wq: PyTree = None
+    wk: PyTree = None
+    wv: PyTree = None
+    wqkv: PyTree = None
+    wo: PyTree = None
+
+
+class AttentionCache(eqx.Module):
+    """What the backward reads: the slots' caches, the heads `(B, H, T, d)` of Q, K, V and the
+    attention weights `A` `(B, H, T, T)`."""
+
+    slots: dict[str, PyTree]
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    weights: jax.Array
+
+
+def _split_heads(y: jax.Array, n_heads: int) -> jax.Array:
+    """`(B, T, D)` -> `(B, H, T, D/H)`; head `h` holds features `[h d, (h + 1) d)`."""
+    b, t, width = y.shape
+    return y.reshape(b, t, n_heads, width // n_heads).transpose(0, 2, 1, 3)
+
+
+def _merge_heads(y: jax.Array) -> jax.Array:
+    """`(B, H, T, d)` -> `(B, T, H d)`, heads in order."""
+    b, h, t, d = y.shape
+    return y.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+
+
+def causal_mix(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The weight-free mixing on heads `(B, H, T, d)`: returns `(C, A)`.
+
+    $S = Q K^\\top / \\sqrt d$, entries with $s > t$ set to the most negative finite number
+    (their weight is exactly 0 and no NaN can appear: the diagonal is never masked),
+    $A = \\mathrm{softmax}_s(S)$, $C = A V$.
+    """
+    t, d = q.shape[-2], q.shape[-1]
+    scores = jnp.einsum("bhtd,bhsd->bhts", q, k) * (1.0 / math.sqrt(d))
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhts,bhsd->bhtd", weights, v), weights
+
+
+def causal_mix_backward(
+    q: jax.Array, k: jax.Array, v: jax.Array, weights: jax.Array, error: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The hand-derived backward of `causal_mix`: `(dQ, dK, dV)` from `dC` (all per head).
+
+    $dA = dC\\, V^\\top$, $dV = A^\\top dC$,
+    $dS = A \\odot (dA - \\textstyle\\sum_s dA \\odot A) / \\sqrt d$, $dQ = dS\\, K$,
+    $dK = dS^\\top Q$. Masked entries have $A = 0$, hence $dS = 0$: nothing flows to the future.
+    """
+    d = q.shape[-1]
+    d_weights = jnp.einsum("bhtd,bhsd->bhts", error, v)
+    d_v = jnp.einsum("bhts,bhtd->bhsd", weights, error)
+    centred = d_weights - jnp.sum(d_weights * weights, axis=-1, keepdims=True)
+    d_scores = weights * centred * (1.0 / math.sqrt(d))
+    d_q = jnp.einsum("bhts,bhsd->bhtd", d_scores, k)
+    d_k = jnp.einsum("bhts,bhtd->bhsd", d_scores, q)
+    return d_q, d_k, d_v
+
+
+class MultiHeadAttention(AbstractPart):
+    """Multi-head causal self-attention over `(batch, seq, features)`.
+
+    Slots: `wq`, `wk`, `wv` (or one fused `wqkv` whose output stacks $[q \\mid k \\mid v]$ on the
+    last axis) and `wo`; each is any part, frozen or learning, called on the whole
+    `(B, T, D_in)` array (parts treat leading axes as rows).
+
+    **Forward.** $Q, K, V \\in \\mathbb{R}^{B \\times T \\times D}$ from the slots (fused: the
+    three equal thirds of `wqkv`'s output). With $H$ = `n_heads`, $d = D/H$ and head $h$ the
+    features $[h d, (h+1) d)$:
+
+    $$S_h = \\frac{Q_h K_h^\\top}{\\sqrt d}, \\quad S_{h,ts} = -\\infty \\ (s > t), \\quad
+    A_h = \\mathrm{softmax}_s(S_h), \\quad C_h = A_h V_h,$$
+
+    $C = [C_1 \\mid \\dots \\mid C_H]$ and $y = \\mathrm{wo}(C)$. Position $t$ attends to
+    positions $s \\le t$ only. The mask uses the most negative finite number, so masked weights
+    are exactly 0 and no NaN appears.
+
+    **Backward** (descent errors; $E = \\partial L/\\partial y$). $dC = \\mathrm{wo}^\\top(E)$ is
+    split into heads $dC_h$; then, per head,
+
+    $$dA_h = dC_h V_h^\\top, \\quad dV_h = A_h^\\top dC_h, \\quad
+    dS_h = \\frac{A_h \\odot \\big(dA_h - \\mathrm{rowsum}(dA_h \\odot A_h)\\big)}{\\sqrt d},$$
+
+    $$dQ_h = dS_h K_h, \\qquad dK_h = dS_h^\\top Q_h$$
+
+    (the softmax rows sum to one). The heads merge back into $dQ, dK, dV$; each goes to its
+    slot's backward and the three input errors add: $\\partial L/\\partial x =
+    \\mathrm{wq}^\\top(dQ) + \\mathrm{wk}^\\top(dK) + \\mathrm{wv}^\\top(dV)$. Fused:
+    $\\partial L/\\partial x = \\mathrm{wqkv}^\\top([dQ \\mid dK \\mid dV])$. Each slot learns
+    from its own error.
+
+    The state is an `AttentionState` with a field per slot; the metrics are a dict keyed by the
+    slot names, so report rows read `...attention.wq`. Shapes and heads are checked at trace
+    time (before anything runs) with errors naming the part's path.
+    """
+
+    wq: AbstractPart | None
+    wk: AbstractPart | None
+    wv: AbstractPart | None
+    wo: AbstractPart
+    wqkv: AbstractPart | None
+    n_heads: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        wq: AbstractPart | None = None,
+        wk: AbstractPart | None = None,
+        wv: AbstractPart | None = None,
+        wo: AbstractPart | None = None,
+        n_heads: int = 1,
+        wqkv: AbstractPart | None = None,
+    ):
+        given = {"wq": wq, "wk": wk, "wv": wv}
+        if wo is None:
+            raise ValueError(
+                "MultiHeadAttention: the output slot `wo` is missing; pass wo=<part> (for no "
+                "output projection, a frozen identity such as fusedpc.frozen.activation("
+                "'identity'))."
+            )
+        if wqkv is not None:
+            clash = [name for name, part in given.items() if part is not None]
+            if clash:
+                raise ValueError(
+                    f"MultiHeadAttention: got a fused `wqkv` and separate slots {clash}; pass "
+                    "either wqkv=<part> or all of wq, wk, wv, not both."
+                )
+        else:
+            missing = [name for name, part in given.items() if part is None]
+            if missing:
+                raise ValueError(
+                    f"MultiHeadAttention: slots {missing} are missing; pass all of wq, wk, wv, "
+                    "or one fused wqkv=<part> whose output stacks [q | k | v]."
+                )
+        if isinstance(n_heads, bool) or not isinstance(n_heads, int):
+            raise TypeError(
+                f"MultiHeadAttention: n_heads must be an int, got {type(n_heads).__name__} "
+                f"{n_heads!r}."
+            )
+        if n_heads < 1:
+            raise ValueError(f"MultiHeadAttention: n_heads must be >= 1, got {n_heads}.")
+        for name, part in {**given, "wo": wo, "wqkv": wqkv}.items():
+            if part is not None:
+                check_part(part, f"MultiHeadAttention.{name}")
+        self.wq, self.wk, self.wv, self.wo, self.wqkv = wq, wk, wv, wo, wqkv
+        self.n_heads = n_heads
+
+    @property
+    def fused(self) -> bool:
+        return self.wqkv is not None
+
+    def _slot_names(self) -> tuple[str, ...]:
+        return ("wqkv", "wo") if self.fused else ("wq", "wk", "wv", "wo")
+
+    def init_state(self, key: jax.Array) -> AttentionState:
+        names = self._slot_names()
+        keys = jax.random.split(key, len(names))
+        return AttentionState(
+            **{name: getattr(self, name).init_state(k) for name, k in zip(names, keys)}
+        )
+
+    def compile(self, path: str) -> Core:
+        where = display_path(path)
+        n_heads = self.n_heads
+        names = self._slot_names()
+        cores = {name: getattr(self, name).compile(join_path(path, name)) for name in names}
+
+        def check_slot(name: str, y, x) -> None:
+            expect_rank(join_path(path, name), y, 3, _LAYOUT, what="output")
+            if y.shape[:2] != x.shape[:2]:
+                raise ValueError(
+                    f"{display_path(join_path(path, name))}: expected an output of shape "
+                    f"{tuple(x.shape[:2])} + (width,) (the input's batch and sequence), got "
+                    f"{tuple(y.shape)}."
+                )
+
+        def project(state: AttentionState, x):
+            """Q, K, V `(B, T, D)` and the slots' caches."""
+            caches = {}
+            if self.fused:
+                qkv, caches["wqkv"] = cores["wqkv"].forward(state.wqkv, x)
+                check_slot("wqkv", qkv, x)
+                if qkv.shape[-1] % 3:
+                    raise ValueError(
+                        f"{where}: the fused slot wqkv must output [q | k | v], three equal "
+                        f"widths, but its output width {qkv.shape[-1]} is not divisible by 3."
+                    )
+                q, k, v = jnp.split(qkv, 3, axis=-1)
+                return (q, k, v), caches
+            outputs = []
+            for name in _SEPARATE:
+                y, caches[name] = cores[name].forward(getattr(state, name), x)
+                check_slot(name, y, x)
+                outputs.append(y)
+            widths = {name: y.shape[-1] for name, y in zip(_SEPARATE, outputs)}
+            if len(set(widths.values())) != 1:
+                raise ValueError(
+                    f"{where}: the slots wq, wk, wv must output the same width, got {widths}."
+                )
+            return tuple(outputs), caches
+
+        def forward(state: AttentionState, x):
+            expect_rank(path, x, 3, _LAYOUT)
+            (q, k, v), caches = project(state, x)
+            width = q.shape[-1]
+            if width % n_heads:
+                raise ValueError(
+                    f"{where}: n_heads={n_heads} does not divide the width {width} of Q, K and "
+                    f"V; choose n_heads dividing {width} or change the slots' output width."
+                )
+            q, k, v = (_split_heads(a, n_heads) for a in (q, k, v))
+            context, weights = causal_mix(q, k, v)
+            y, caches["wo"] = cores["wo"].forward(state.wo, _merge_heads(context))
+            return y, AttentionCache(slots=caches, q=q, k=k, v=v, weights=weights)
+
+        def backward(state: AttentionState, cache: AttentionCache, error):
+            new_states, metrics = {}, {}
+            d_context, new_states["wo"], metrics["wo"] = cores["wo"].backward(
+                state.wo, cache.slots["wo"], error
+            )
+            d_heads = causal_mix_backward(
+                cache.q, cache.k, cache.v, cache.weights, _split_heads(d_context, n_heads)
+            )
+            d_q, d_k, d_v = (_merge_heads(a) for a in d_heads)
+            if self.fused:
+                input_error, new_states["wqkv"], metrics["wqkv"] = cores["wqkv"].backward(
+                    state.wqkv, cache.slots["wqkv"], jnp.concatenate([d_q, d_k, d_v], axis=-1)
+                )
+            else:
+                input_error = None
+                for name, d in zip(_SEPARATE, (d_q, d_k, d_v)):
+                    e, new_states[name], metrics[name] = cores[name].backward(
+                        getattr(state, name), cache.slots[name], d
+                    )
+                    input_error = e if input_error is None else input_error + e
+            ordered = {name: metrics[name] for name in names}
+            return input_error, AttentionState(**new_states), ordered
+
+        def write_back(state: AttentionState) -> MultiHeadAttention:
+            return replace_fields(
+                self, **{name: cores[name].write_back(getattr(state, name)) for name in names}
+            )
+
+        return Core(forward, backward, write_back)

@@ -1,0 +1,290 @@
+"""Shared test helpers: the one tolerance helper, tiny reference parts and the conformance
+registry.
+
+Tolerances: compare with `assert_tree_allclose(a, b, rtol=..., atol=...)`; every call whose
+tolerance is looser than float32 rounding says why in a one-line comment.
+
+`CONFORMANCE_CASES` maps a case name to a factory returning `(part, example_input)`;
+`tests/test_conformance.py` runs every check on every case. When you add a part type, append
+one or more cases here (a tiny instance and a tiny input, float32, a few rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fusedpc
+from fusedpc import frozen
+from fusedpc._activations import ACTIVATIONS
+
+PyTree = Any
+
+
+# --------------------------------------------------------------------------- tolerances
+def _leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
+    return [
+        (jax.tree_util.keystr(path), leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    ]
+
+
+def _mismatch(a: PyTree, b: PyTree, rtol: float, atol: float) -> str | None:
+    """None when `a` and `b` agree; otherwise a message naming the first leaf that differs."""
+    sa, sb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
+    if sa != sb:
+        return f"tree structures differ:\n  {sa}\n  {sb}"
+    for (path, x), (_, y) in zip(_leaves_with_paths(a), _leaves_with_paths(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape:
+            return f"leaf {path or '<root>'}: shapes differ, {x.shape} vs {y.shape}"
+        if x.dtype != y.dtype:
+            return f"leaf {path or '<root>'}: dtypes differ, {x.dtype} vs {y.dtype}"
+        if x.dtype.kind in "biuU" or x.dtype == np.bool_:
+            if not np.array_equal(x, y):
+                return f"leaf {path or '<root>'}: values differ"
+            continue
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)
+        if not np.allclose(x64, y64, rtol=rtol, atol=atol, equal_nan=True):
+            diff = np.abs(x64 - y64)
+            worst = np.unravel_index(np.argmax(diff - rtol * np.abs(y64)), diff.shape)
+            return (
+                f"leaf {path or '<root>'}: max |a - b| = {diff.max():.3e}; worst entry "
+                f"{tuple(int(i) for i in worst)}: a = {x64[worst]!r}, b = {y64[worst]!r} "
+                f"(rtol={rtol}, atol={atol})"
+            )
+    return None
+
+
+def tree_allclose(a: PyTree, b: PyTree, rtol: float = 1e-6, atol: float = 0.0) -> bool:
+    """Same structure, shapes and dtypes, and every leaf `allclose` (integers: equal)."""
+    return _mismatch(a, b, rtol, atol) is None
+
+
+def assert_tree_allclose(a: PyTree, b: PyTree, rtol: float = 1e-6, atol: float = 0.0) -> None:
+    """`tree_allclose`, failing with a message that names the first leaf that differs."""
+    message = _mismatch(a, b, rtol, atol)
+    assert message is None, message
+
+
+def norm_rel_error(a: PyTree, b: PyTree) -> float:
+    r"""$\lVert a - b \rVert / \lVert b \rVert$ over all leaves (float64; 0 when both are 0)."""
+    la = [np.asarray(x, np.float64).ravel() for x in jax.tree_util.tree_leaves(a)]
+    lb = [np.asarray(y, np.float64).ravel() for y in jax.tree_util.tree_leaves(b)]
+    assert len(la) == len(lb), f"{len(la)} leaves vs {len(lb)}"
+    va = np.concatenate(la) if la else np.zeros(0)
+    vb = np.concatenate(lb) if lb else np.zeros(0)
+    assert va.shape == vb.shape, f"sizes differ: {va.shape} vs {vb.shape}"
+    num, den = np.linalg.norm(va - vb), np.linalg.norm(vb)
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return float(num / den)
+
+
+def shapes_and_dtypes(tree: PyTree) -> PyTree:
+    """The tree with every array leaf replaced by its `ShapeDtypeStruct` (structure kept)."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
+    """Standard normal float32 array from an integer seed."""
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+# --------------------------------------------------------------------------- reference parts
+class DeltaLinearState(eqx.Module):
+    """State of `DeltaLinear`: its parameters and its optimiser's state."""
+
+    params: dict[str, jax.Array]
+    opt_state: PyTree
+
+
+class DeltaLinear(fusedpc.AbstractPart):
+    r"""A learning part written only in the tests: $y = x W^\top + b$, learning by the delta rule.
+
+    Shapes: `weight` `(out, in)`, `bias` `(out,)`, input `(..., in)`, output `(..., out)`.
+    Backward, with $E$ the descent error at the output and $R$ rows (leading axes flattened):
+    $\partial L/\partial x = E W$ (per row, with the weight before the step);
+    $g_W = \tfrac1R E^\top x$, $g_b = \tfrac1R \sum_r E_r$ (the mean over rows, the gradient
+    of the loss averaged over rows); the update is `optimiser.update(g, opt_state, params)`.
+    Only public fusedpc names are used, as a user's own part would.
+    """
+
+    weight: jax.Array
+    bias: jax.Array
+    optimiser: optax.GradientTransformation = eqx.field(static=True)
+
+    def init_state(self, key: jax.Array) -> DeltaLinearState:
+        del key
+        params = {"weight": self.weight, "bias": self.bias}
+        return DeltaLinearState(params=params, opt_state=self.optimiser.init(params))
+
+    def compile(self, path: str) -> fusedpc.Core:
+        out_width, in_width = self.weight.shape
+        where = path or "<root>"
+
+        def forward(state: DeltaLinearState, x):
+            if x.shape[-1] != in_width:
+                raise ValueError(
+                    f"{where}: expected input of shape (..., {in_width}), got {x.shape}."
+                )
+            return x @ state.params["weight"].T + state.params["bias"], x
+
+        def backward(state: DeltaLinearState, x, error):
+            rows_x = x.reshape(-1, in_width)
+            rows_e = error.reshape(-1, out_width)
+            n = rows_x.shape[0]
+            grads = {"weight": rows_e.T @ rows_x / n, "bias": jnp.sum(rows_e, axis=0) / n}
+            input_error = error @ state.params["weight"]
+            # optax's adam mixes Python floats with its int32 step count, which the tests'
+            # strict dtype promotion rejects; "standard" is JAX's default, so no-op for users.
+            with jax.numpy_dtype_promotion("standard"):
+                updates, opt_state = self.optimiser.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            metrics = fusedpc.learning_metrics(
+                state.params, params, error, input_error, (in_width, out_width)
+            )
+            return input_error, DeltaLinearState(params, opt_state), metrics
+
+        def write_back(state: DeltaLinearState) -> DeltaLinear:
+            p = state.params
+            return eqx.tree_at(lambda m: (m.weight, m.bias), self, (p["weight"], p["bias"]))
+
+        return fusedpc.Core(forward, backward, write_back)
+
+
+def delta_linear(
+    seed: int, in_width: int, out_width: int, optimiser: optax.GradientTransformation | None = None
+) -> DeltaLinear:
+    """A `DeltaLinear` with small random weights (default optimiser: SGD, rate 0.1)."""
+    weight, bias = linear_params(seed, in_width, out_width)
+    return DeltaLinear(weight, bias, optax.sgd(0.1) if optimiser is None else optimiser)
+
+
+class SpyState(eqx.Module):
+    """The error that the spy saw at its output in the last step."""
+
+    seen: jax.Array
+
+
+class Spy(fusedpc.AbstractPart):
+    """Identity part that stores the error it sees in its state (read it from the pipeline)."""
+
+    shape: tuple[int, ...] = eqx.field(static=True)
+
+    def init_state(self, key: jax.Array) -> SpyState:
+        del key
+        return SpyState(jnp.zeros(self.shape, jnp.float32))
+
+    def compile(self, path: str) -> fusedpc.Core:
+        def forward(state, x):
+            return x, None
+
+        def backward(state, cache, error):
+            finite = fusedpc.FiniteFlag(jnp.all(jnp.isfinite(error)))
+            return error, SpyState(error), finite
+
+        return fusedpc.Core(forward, backward, lambda state: self)
+
+
+def linear_params(seed: int, in_width: int, out_width: int) -> tuple[jax.Array, jax.Array]:
+    """A weight `(out, in)` scaled by $1/\\sqrt{in}$ and a bias `(out,)`."""
+    weight = normal(seed, (out_width, in_width)) / np.float32(np.sqrt(in_width))
+    return weight, 0.1 * normal(seed + 1, (out_width,))
+
+
+def mlp_reference(weights: list[tuple[jax.Array, jax.Array]], x: jax.Array) -> jax.Array:
+    """Plain JAX twin of `Sequential([linear, tanh, linear, tanh, ..., linear])`."""
+    for i, (w, b) in enumerate(weights):
+        x = x @ w.T + b
+        if i < len(weights) - 1:
+            x = jnp.tanh(x)
+    return x
+
+
+# --------------------------------------------------------------------------- user formulas
+def _scaled_sine_forward(params, x):
+    # y = a * sin(x) + c, per feature; the cache is cos(x).
+    return params["a"] * jnp.sin(x) + params["c"], jnp.cos(x)
+
+
+def _scaled_sine_backward(params, cos_x, error):
+    return error * params["a"] * cos_x
+
+
+def scaled_sine(width: int = 4) -> fusedpc.Frozen:
+    """A `Frozen` part built from user formulas: $y = a \\odot \\sin x + c$."""
+    params = {"a": 1.0 + 0.5 * normal(7, (width,)), "c": normal(8, (width,))}
+    return fusedpc.Frozen(_scaled_sine_forward, _scaled_sine_backward, params, in_width=width)
+
+
+# --------------------------------------------------------------------------- conformance
+Case = Callable[[], tuple[fusedpc.AbstractPart, jax.Array]]
+
+
+def _eqx_linear(use_bias: bool) -> eqx.nn.Linear:
+    return eqx.nn.Linear(4, 3, use_bias=use_bias, key=jax.random.key(1))
+
+
+def _eqx_layer_norm() -> eqx.nn.LayerNorm:
+    ln = eqx.nn.LayerNorm(5)
+    # Non-trivial affine, so that the weight really enters the backward.
+    return eqx.tree_at(
+        lambda m: (m.weight, m.bias), ln, (1.0 + 0.3 * normal(3, (5,)), 0.2 * normal(4, (5,)))
+    )
+
+
+def _hybrid_tree() -> fusedpc.AbstractPart:
+    w, b = linear_params(11, 5, 5)
+    return fusedpc.Sequential(
+        [
+            delta_linear(12, 4, 5, optax.adam(1e-2)),
+            frozen.gelu(),
+            fusedpc.Residual(fusedpc.Sequential([frozen.layer_norm(width=5), frozen.linear(w, b)])),
+            delta_linear(13, 5, 3),
+        ]
+    )
+
+
+CONFORMANCE_CASES: dict[str, Case] = {
+    "linear": lambda: (frozen.linear(*linear_params(0, 4, 3)), normal(100, (6, 4))),
+    "linear_no_bias": lambda: (frozen.linear(linear_params(0, 4, 3)[0]), normal(100, (6, 4))),
+    "linear_from_eqx": lambda: (frozen.linear(_eqx_linear(True)), normal(100, (2, 3, 4))),
+    "linear_from_eqx_no_bias": lambda: (frozen.linear(_eqx_linear(False)), normal(100, (6, 4))),
+    "gelu": lambda: (frozen.gelu(), normal(101, (6, 4))),
+    "relu": lambda: (frozen.relu(), normal(102, (2, 3, 4))),
+    "tanh": lambda: (frozen.tanh(), normal(103, (6, 4))),
+    "softmax": lambda: (frozen.softmax(), normal(104, (2, 3, 5))),
+    "layer_norm_from_eqx": lambda: (frozen.layer_norm(_eqx_layer_norm()), normal(105, (6, 5))),
+    "layer_norm_width": lambda: (frozen.layer_norm(width=5), normal(106, (2, 3, 5))),
+    **{
+        f"activation_{name}": (lambda name=name: (frozen.activation(name), normal(107, (6, 4))))
+        for name in sorted(ACTIVATIONS)
+    },
+    "frozen_user_formulas": lambda: (scaled_sine(4), normal(108, (6, 4))),
+    "sequential": lambda: (
+        fusedpc.Sequential(
+            [
+                frozen.linear(*linear_params(20, 4, 5)),
+                frozen.gelu(),
+                frozen.layer_norm(width=5),
+                frozen.linear(*linear_params(21, 5, 3)),
+            ]
+        ),
+        normal(109, (6, 4)),
+    ),
+    "residual": lambda: (
+        fusedpc.Residual(
+            fusedpc.Sequential([frozen.linear(*linear_params(22, 4, 4)), frozen.tanh()])
+        ),
+        normal(110, (2, 3, 4)),
+    ),
+    "user_learning_part": lambda: (delta_linear(30, 4, 3), normal(111, (6, 4))),
+    "hybrid_tree": lambda: (_hybrid_tree(), normal(112, (6, 4))),
+}
