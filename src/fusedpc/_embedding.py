@@ -14,7 +14,8 @@ and $\\bar q_v = |\\{r : i_r = v\\}| / R$, the batch mean of the squared one-hot
 
 `LearningLayerNorm` normalises each row, $\\hat n = (x - m)/s$, and learns its affine
 $y = \\gamma \\odot \\hat n + \\beta$ locally:
-$\\bar G_\\gamma = \\mathrm{mean}_r\\, E_r \\odot \\hat n_r$, $\\bar G_\\beta = \\mathrm{mean}_r\\, E_r$; its input error is the frozen LayerNorm's.
+$\\bar G_\\gamma = \\mathrm{mean}_r\\, E_r \\odot \\hat n_r$,
+$\\bar G_\\beta = \\mathrm{mean}_r\\, E_r$; its input error is the frozen LayerNorm's.
 """
 
 from __future__ import annotations
