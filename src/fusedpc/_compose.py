@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import equinox as eqx
 import jax
 
-from ._core import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
+from ._core import AbstractPart, Core, PyTree, display_path, join_path, named, replace_fields
 
 
 def check_part(part: object, path: str) -> AbstractPart:
@@ -63,7 +63,7 @@ class Sequential(AbstractPart):
                 error, new_states[i], metrics[i] = cores[i].backward(
                     state.parts[i], cache[i], error
                 )
-            return error, SequentialState(tuple(new_states)), {"parts": tuple(metrics)}
+            return error, SequentialState(tuple(new_states)), named(parts=tuple(metrics))
 
         def write_back(state: SequentialState) -> Sequential:
             children = tuple(c.write_back(s) for c, s in zip(cores, state.parts))
@@ -106,7 +106,7 @@ class Residual(AbstractPart):
 
         def backward(state: ResidualState, cache, error):
             branch_error, new_branch, metrics = core.backward(state.branch, cache, error)
-            return error + branch_error, ResidualState(new_branch), {"branch": metrics}
+            return error + branch_error, ResidualState(new_branch), named(branch=metrics)
 
         def write_back(state: ResidualState) -> Residual:
             return replace_fields(self, branch=core.write_back(state.branch))

@@ -33,7 +33,7 @@ class Core(NamedTuple):
       descent error $\\partial L / \\partial y$ at the part's output (same shape as `y`);
       `input_error` is $\\partial L / \\partial x$ per row (not divided by the batch size).
       `metrics` is a pytree of device arrays (`PartMetrics` for learning parts, `FiniteFlag`
-      for frozen ones, dicts keyed by child names for composites).
+      for frozen ones, `named(child=metrics, ...)` for composites, in forward order).
     * `write_back(state) -> part`: a new part tree holding `state`. The executor always hands it
       a fresh copy, so the returned tree never aliases buffers that a later step donates.
     """
@@ -82,6 +82,23 @@ class FiniteFlag(eqx.Module):
     """A frozen part's only metric: whether the error it emitted is finite."""
 
     finite: jax.Array
+
+
+class Named(eqx.Module):
+    """Metrics of a composite's children, in the composite's own (forward) order.
+
+    A plain dict would do, except that JAX sorts dict keys when it flattens them; the report
+    lists parts in forward order and finds the first non-finite part in backward order, so
+    composites return `named(child=metrics, ...)` instead.
+    """
+
+    names: tuple[str, ...] = eqx.field(static=True)
+    children: tuple[PyTree, ...]
+
+
+def named(**children: PyTree) -> Named:
+    """`named(n1=m1, attention=m2)`: children's metrics keyed by name, order kept."""
+    return Named(tuple(children), tuple(children.values()))
 
 
 class Stacked(eqx.Module):
@@ -188,6 +205,9 @@ def iter_metrics(tree: PyTree, prefix: str = "") -> Iterator[tuple[str, PyTree]]
         for i in range(n):
             block = jax.tree_util.tree_map(lambda a, i=i: a[i], tree.blocks)
             yield from iter_metrics(block, f"{prefix}[{i}]")
+    elif isinstance(tree, Named):
+        for name, sub in zip(tree.names, tree.children):
+            yield from iter_metrics(sub, join_path(prefix, name))
     elif isinstance(tree, dict):
         for name, sub in tree.items():
             yield from iter_metrics(sub, join_path(prefix, str(name)))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from ._activations import get_activation
 from ._frozen import Frozen
 
-__all__ = ["activation", "gelu", "layer_norm", "linear", "relu", "softmax", "tanh"]
+__all__ = ["activation", "embedding", "gelu", "layer_norm", "linear", "relu", "softmax", "tanh"]
 
 
 def _linear_forward(params, x):
@@ -187,3 +187,29 @@ def layer_norm(
     return Frozen(
         layer_norm_forward, _layer_norm_backward, params, in_width=width, name="layer_norm"
     )
+
+
+def _embedding_forward(params, ids):
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"expected integer ids, got dtype {ids.dtype}")
+    return jnp.take(params["table"], ids, axis=0), None
+
+
+def _embedding_backward(params, cache, error):
+    del params, cache, error
+    return None
+
+
+def embedding(embedding_or_table: eqx.nn.Embedding | jax.Array) -> Frozen:
+    """A frozen lookup table: integer ids `(...)` in, rows `(..., D)` of the `(V, D)` table out.
+
+    Ids carry no error, so the backward returns `None`. For a table that learns, use
+    `fusedpc.transplant.from_embedding`.
+    """
+    if isinstance(embedding_or_table, eqx.nn.Embedding):
+        table = embedding_or_table.weight
+    else:
+        table = jnp.asarray(embedding_or_table)
+    if table.ndim != 2:
+        raise ValueError(f"embedding: table must have shape (vocab, width), got {table.shape}")
+    return Frozen(_embedding_forward, _embedding_backward, {"table": table}, name="embedding")

@@ -1,0 +1,257 @@
+"""Builders of GPT parts: from a reference equinox GPT, and from a config.
+
+`hybrid_from_gpt` keeps every slot frozen at the reference weights unless a part is given for
+it, so the all-frozen tree reproduces the reference logits and any slot can be swapped for a
+learning part initialised at the same weights. `build_gpt` draws a reference GPT from a key
+and asks for learning parts by slot name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+
+from . import frozen, transplant
+from ._attention import MultiHeadAttention
+from ._compose import Sequential, check_part
+from ._core import AbstractPart
+from ._gpt import GPTPart, TransformerBlock
+from ._repeat import Repeat
+from .models import GPT
+
+SLOTS = ("token", "position", "attention", "feed_forward", "norm", "head")
+LEARNING_PRESETS = {
+    "all": SLOTS,
+    "ff_head": ("feed_forward", "head"),
+    "none": (),
+}
+_ATTENTION_KEYS = ("wq", "wk", "wv", "wo", "wqkv")
+
+
+def _per_block(value: Any, n_blocks: int, what: str) -> list:
+    if value is None:
+        return [None] * n_blocks
+    if callable(value) and not isinstance(value, AbstractPart):
+        return [value(i) for i in range(n_blocks)]
+    value = list(value)
+    if len(value) != n_blocks:
+        raise ValueError(
+            f"hybrid_from_gpt: {what} must have one entry per block ({n_blocks}), got "
+            f"{len(value)}."
+        )
+    return value
+
+
+def _attention_part(attn, given: dict | None, where: str) -> MultiHeadAttention:
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(_ATTENTION_KEYS))
+    if unknown:
+        raise ValueError(
+            f"hybrid_from_gpt: {where} has unknown keys {unknown}; allowed: {_ATTENTION_KEYS}."
+        )
+    wo = given.get("wo") or frozen.linear(attn.wo)
+    if "wqkv" in given:
+        if {"wq", "wk", "wv"} & set(given):
+            raise ValueError(
+                f"hybrid_from_gpt: {where} gives 'wqkv' together with separate wq/wk/wv; give "
+                "one or the other."
+            )
+        return MultiHeadAttention(wqkv=given["wqkv"], wo=wo, n_heads=attn.n_heads)
+    slots = {
+        name: given.get(name) or frozen.linear(getattr(attn, name)) for name in ("wq", "wk", "wv")
+    }
+    return MultiHeadAttention(**slots, wo=wo, n_heads=attn.n_heads)
+
+
+def hybrid_from_gpt(
+    gpt: GPT,
+    ff_parts: Sequence[AbstractPart | None] | Callable[[int], AbstractPart | None] | None = None,
+    attention_parts: Sequence[dict | None] | Callable[[int], dict | None] | None = None,
+    head_part: AbstractPart | None = None,
+    token_part: AbstractPart | None = None,
+    position_part: AbstractPart | None = None,
+    norm_parts: Callable[[Any], AbstractPart] | None = None,
+    *,
+    scan: bool = True,
+    output: str = "logits",
+) -> GPTPart:
+    """A `GPTPart` at the weights of a reference `fusedpc.models.GPT`.
+
+    Every slot not given stays frozen at the reference weights (feed-forward: linear, GELU,
+    linear). `ff_parts[i]` / `attention_parts[i]` (a dict with any of `"wq"`, `"wk"`, `"wv"`,
+    `"wo"`, or `"wqkv"` and optionally `"wo"`) replace block i's slots; either may also be a
+    callable of the block index. `norm_parts(ln)` is applied to every LayerNorm (`n1`, `n2`,
+    `norm_f`). Blocks are scanned (`Repeat`) when `scan` and they are structurally identical,
+    otherwise unrolled. `output="probabilities"` marks a categorical head.
+    """
+    if not isinstance(gpt, GPT):
+        raise TypeError(
+            f"hybrid_from_gpt: expected a fusedpc.models.GPT, got {type(gpt).__name__}."
+        )
+    n_blocks = len(gpt.blocks)
+    ffs = _per_block(ff_parts, n_blocks, "ff_parts")
+    attns = _per_block(attention_parts, n_blocks, "attention_parts")
+    norm = norm_parts or frozen.layer_norm
+    blocks = []
+    for i, (block, ff, attn) in enumerate(zip(gpt.blocks, ffs, attns)):
+        where = f"blocks[{i}]"
+        if ff is None:
+            ff = Sequential(
+                [frozen.linear(block.ff.fc1), frozen.gelu(), frozen.linear(block.ff.fc2)]
+            )
+        blocks.append(
+            TransformerBlock(
+                n1=check_part(norm(block.n1), f"{where}.n1"),
+                attention=_attention_part(block.attn, attn, f"attention_parts[{i}]"),
+                n2=check_part(norm(block.n2), f"{where}.n2"),
+                feed_forward=check_part(ff, f"{where}.feed_forward"),
+            )
+        )
+    stacked: Any = tuple(blocks)
+    if scan:
+        try:
+            stacked = Repeat(blocks)
+        except (TypeError, ValueError):
+            stacked = tuple(blocks)  # blocks differ: run them unrolled
+    return GPTPart(
+        token=token_part or frozen.embedding(gpt.tok_emb),
+        position=position_part or frozen.embedding(gpt.pos_emb),
+        blocks=stacked,
+        norm_f=check_part(norm(gpt.norm_f), "norm_f"),
+        head=head_part or frozen.linear(gpt.head),
+        vocab_size=gpt.vocab_size,
+        max_len=gpt.max_len,
+        output=output,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Size and learning choices of a GPT part.
+
+    `learn` names the slots that learn (`"token"`, `"position"`, `"attention"`,
+    `"feed_forward"`, `"norm"`, `"head"`), or a preset `"all"`, `"ff_head"`, `"none"`.
+    `head_kind` `"gaussian"` outputs logits (error `softmax_cross_entropy`); `"categorical"`
+    outputs probabilities (error `cross_entropy`); both give the cross-entropy gradient.
+    """
+
+    vocab_size: int = 65
+    width: int = 64
+    n_heads: int = 4
+    n_blocks: int = 2
+    ff_width: int = 256
+    max_len: int = 64
+    learn: tuple[str, ...] | str = "all"
+    learning_kind: str = "precision_weighted"
+    learning_kwargs: dict | None = None
+    fused_qkv: bool = False
+    head_kind: str = "gaussian"
+    hidden_precision: float = 1.0
+    scan: bool = True
+
+    def learning_slots(self) -> tuple[str, ...]:
+        learn = self.learn
+        if isinstance(learn, str):
+            if learn in LEARNING_PRESETS:
+                return LEARNING_PRESETS[learn]
+            learn = tuple(s.strip() for s in learn.split(",") if s.strip())
+        unknown = sorted(set(learn) - set(SLOTS))
+        if unknown:
+            raise ValueError(
+                f"GPTConfig.learn: unknown slots {unknown}; choose from {SLOTS} or a preset "
+                f"{sorted(LEARNING_PRESETS)}."
+            )
+        return tuple(learn)
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "width", "n_heads", "n_blocks", "ff_width", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.width % self.n_heads:
+            raise ValueError(
+                f"GPTConfig: n_heads={self.n_heads} must divide width={self.width}."
+            )
+        if self.head_kind not in ("gaussian", "categorical"):
+            raise ValueError(
+                f"GPTConfig.head_kind must be 'gaussian' or 'categorical', got {self.head_kind!r}."
+            )
+        self.learning_slots()
+
+    @property
+    def error_fn(self) -> str:
+        return "cross_entropy" if self.head_kind == "categorical" else "softmax_cross_entropy"
+
+
+def build_gpt(
+    config: GPTConfig,
+    optimiser: optax.GradientTransformation | None,
+    key: jax.Array,
+) -> tuple[GPTPart, GPT]:
+    """A reference GPT drawn from `key` and the GPT part built from it per `config`.
+
+    Returns `(part, reference)`: the reference is the backprop twin at the same weights.
+    """
+    config.validate()
+    reference = GPT(
+        config.vocab_size,
+        config.width,
+        config.n_heads,
+        config.n_blocks,
+        config.ff_width,
+        config.max_len,
+        key=key,
+    )
+    slots = set(config.learning_slots())
+    synaptic = config.learning_kind == "synaptic_uncertainty"
+    learning = {
+        "optimiser": None if synaptic else optimiser,
+        "learning_kind": config.learning_kind,
+        "learning_kwargs": config.learning_kwargs,
+    }
+    ff_parts = attention_parts = None
+    if "feed_forward" in slots:
+        ff_parts = [
+            transplant.from_feedforward(
+                b.ff.fc1, b.ff.fc2, "gelu", hidden_precision=config.hidden_precision, **learning
+            )
+            for b in reference.blocks
+        ]
+    if "attention" in slots:
+        attention_parts = []
+        for b in reference.blocks:
+            a = b.attn
+            if config.fused_qkv:
+                parts = {"wqkv": transplant.from_linears([a.wq, a.wk, a.wv], **learning)}
+            else:
+                parts = {n: transplant.from_linear(getattr(a, n), **learning)
+                         for n in ("wq", "wk", "wv")}
+            parts["wo"] = transplant.from_linear(a.wo, **learning)
+            attention_parts.append(parts)
+    head_part = None
+    if "head" in slots:
+        head_part = transplant.from_linear(reference.head, head=config.head_kind, **learning)
+    token_part = position_part = None
+    if "token" in slots:
+        token_part = transplant.from_embedding(reference.tok_emb, **learning)
+    if "position" in slots:
+        position_part = transplant.from_embedding(reference.pos_emb, **learning)
+    norm_parts = None
+    if "norm" in slots:
+        def norm_parts(ln):
+            return transplant.from_layer_norm(ln, optimiser=optimiser)
+    part = hybrid_from_gpt(
+        reference,
+        ff_parts=ff_parts,
+        attention_parts=attention_parts,
+        head_part=head_part,
+        token_part=token_part,
+        position_part=position_part,
+        norm_parts=norm_parts,
+        scan=config.scan,
+        output="probabilities" if config.head_kind == "categorical" else "logits",
+    )
+    return part, reference
