@@ -363,6 +363,20 @@ class FusedPipeline:
         self._last = None
         self._pending = None
 
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str, metadata: dict | None = None) -> None:
+        """Write a checkpoint atomically (see `fusedpc.save_checkpoint`)."""
+        from ._checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, metadata)
+
+    def load(self, path: str) -> dict:
+        """Load a checkpoint into this pipeline; returns its metadata (see
+        `fusedpc.load_checkpoint`). Refused, state untouched, if the trees differ."""
+        from ._checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)
+
     # ------------------------------------------------------------------ reports
     @staticmethod
     def _select_step(metrics: StepMetrics, index: int) -> StepMetrics:
