@@ -40,3 +40,4 @@ from ._network import PCNetwork as PCNetwork
 from ._repeat import Repeat as Repeat
 
 __version__ = "0.1.0"
+from ._gpt_build import to_reference as to_reference

@@ -17,6 +17,7 @@ from ._core import (
     display_path,
     expect_rank,
     join_path,
+    named,
     replace_fields,
 )
 
@@ -123,8 +124,9 @@ class MultiHeadAttention(AbstractPart):
     $\\partial L/\\partial x = \\mathrm{wqkv}^\\top([dQ \\mid dK \\mid dV])$. Each slot learns
     from its own error.
 
-    The state is an `AttentionState` with a field per slot; the metrics are a dict keyed by the
-    slot names, so report rows read `...attention.wq`. Shapes and heads are checked at trace
+    The state is an `AttentionState` with a field per slot; the metrics are the slots' metrics
+    under their names in forward order (`named(wq=..., wk=..., wv=..., wo=...)`, fused
+    `named(wqkv=..., wo=...)`), so report rows read `...attention.wq`. Shapes and heads are checked at trace
     time (before anything runs) with errors naming the part's path.
     """
 
@@ -266,7 +268,7 @@ class MultiHeadAttention(AbstractPart):
                         getattr(state, name), cache.slots[name], d
                     )
                     input_error = e if input_error is None else input_error + e
-            ordered = {name: metrics[name] for name in names}
+            ordered = named(**{name: metrics[name] for name in names})
             return input_error, AttentionState(**new_states), ordered
 
         def write_back(state: AttentionState) -> MultiHeadAttention:

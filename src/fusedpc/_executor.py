@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _sharding
 from . import errors as _errors
 from ._compose import check_part
 from ._core import (
@@ -79,8 +80,12 @@ class FusedPipeline:
             `"skip"` keeps the old state (inside the program) and counts the step as skipped;
             `"raise"` does the same and raises `NonFiniteStepError` at the next call;
             `"ignore"` commits it anyway.
-        mesh: a `jax.sharding.Mesh` with a `"data"` axis: batches are sharded over it and the
-            state replicated, so every row mean becomes a cross-device reduction.
+        mesh: a `jax.sharding.Mesh` with a `"data"` axis (e.g. `fusedpc.data_mesh()`): batches
+            are sharded over it and the state replicated, so every row mean becomes a
+            cross-device reduction inserted by the compiler. Its axes are used as `Auto`.
+        state_sharding: with a mesh, an optional rule `(path, leaf) -> PartitionSpec | None`
+            placing state leaves (e.g. `fusedpc.shard_widest(mesh)` over a `"model"` axis);
+            `None` replicates. The state keeps these shardings after every step.
         check_device_ids: value checks of inputs (token ids inside the vocabulary) run on host
             arrays always; on arrays already on the device only when True, since reading
             them back costs a device-to-host transfer per call.
@@ -98,6 +103,7 @@ class FusedPipeline:
         key: jax.Array | None = None,
         nonfinite: str = "skip",
         mesh: jax.sharding.Mesh | None = None,
+        state_sharding: _sharding.StateSharding | None = None,
         check_device_ids: bool = False,
     ):
         check_part(tree, "FusedPipeline(tree)")
@@ -114,12 +120,11 @@ class FusedPipeline:
         self.error_fn = _errors.resolve(error_fn)
         self.error_normalisation = error_normalisation
         self.nonfinite = nonfinite
-        self.mesh = mesh
+        self.mesh = _sharding.resolve_mesh(mesh)
+        self.state_sharding = state_sharding
+        if state_sharding is not None and self.mesh is None:
+            raise ValueError("state_sharding: needs a mesh; pass mesh=fusedpc.data_mesh(...).")
         self.check_device_ids = bool(check_device_ids)
-        if mesh is not None and "data" not in mesh.axis_names:
-            raise ValueError(
-                f"mesh: expected a mesh with a 'data' axis, got axes {mesh.axis_names}."
-            )
         self._core = tree.compile("")
         key = jax.random.key(0) if key is None else key
         # Copy once: the part objects' own arrays must survive the first donated step.
@@ -131,9 +136,17 @@ class FusedPipeline:
         self._pending: StepMetrics | None = None
         self._checked: set = set()
         self.trace_counts = {"step": 0, "run": 0, "predict": 0}
-        self._step_jit = jax.jit(self._step_program, donate_argnums=(0,))
+        # With a mesh, pin the carry's shardings (the state leaves as placed) so that the
+        # donated buffers come back in place; outputs and metrics are left to propagation.
+        pinned = {}
+        if self.mesh is not None:
+            carry = jax.tree_util.tree_map(
+                lambda a: a.sharding, (self._state, self._counters)
+            )
+            pinned = {"out_shardings": (carry, None, None, None)}
+        self._step_jit = jax.jit(self._step_program, donate_argnums=(0,), **pinned)
         self._run_jit = jax.jit(
-            self._run_program, donate_argnums=(0,), static_argnames=("keep_outputs",)
+            self._run_program, donate_argnums=(0,), static_argnames=("keep_outputs",), **pinned
         )
         self._predict_jit = jax.jit(self._predict_program)
 
@@ -141,24 +154,16 @@ class FusedPipeline:
     def _place_state(self, tree: PyTree) -> PyTree:
         if self.mesh is None:
             return tree
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        return jax.device_put(tree, replicated)
+        rule = None if isinstance(tree, Counters) else self.state_sharding
+        return jax.device_put(tree, _sharding.state_shardings(tree, self.mesh, rule))
 
     def _place_batch(self, x: Any, axis: int = 0) -> Any:
         if self.mesh is None:
             return x
-        x = jnp.asarray(x)
-        n = self.mesh.shape["data"]
-        if x.shape[axis] % n:
-            raise ValueError(
-                f"batch: the batch axis (size {x.shape[axis]}) must divide over the mesh's "
-                f"'data' axis of {n} devices; pad it with zero-error rows (ignored by "
-                "error_normalisation='active') or change the batch size."
-            )
-        spec = [None] * x.ndim
-        spec[axis] = "data"
-        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
-        return jax.device_put(x, sharding)
+        if not isinstance(x, jax.Array):
+            x = jnp.asarray(x)
+        _sharding.check_batch_divides(x.shape[axis], self.mesh, axis)
+        return jax.device_put(x, _sharding.batch_sharding(self.mesh, x.ndim, axis))
 
     # ------------------------------------------------------------------ programs
     def _one_step(self, carry, x, target):

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import optax
 
@@ -19,7 +20,10 @@ from . import frozen, transplant
 from ._attention import MultiHeadAttention
 from ._compose import Sequential, check_part
 from ._core import AbstractPart
+from ._embedding import LearningEmbedding, LearningLayerNorm
+from ._frozen import Frozen
 from ._gpt import GPTPart, TransformerBlock
+from ._learning import LearningNetwork
 from ._repeat import Repeat
 from .models import GPT
 
@@ -255,3 +259,80 @@ def build_gpt(
         output="probabilities" if config.head_kind == "categorical" else "logits",
     )
     return part, reference
+
+
+def _linear_arrays(part: Any, where: str) -> list[tuple[Any, Any]]:
+    """The `(weight, bias)` pairs of a slot, in forward order (frozen or learning)."""
+    if isinstance(part, LearningNetwork):
+        return list(zip(part.network.weights, part.network.biases))
+    if isinstance(part, Sequential):
+        return [pair for i, p in enumerate(part.parts)
+                for pair in _linear_arrays(p, f"{where}.parts[{i}]")]
+    if isinstance(part, Frozen):
+        params = part.params
+        if isinstance(params, dict) and "weight" in params and params["weight"].ndim == 2:
+            return [(params["weight"], params["bias"])]
+        return []
+    raise TypeError(f"to_reference: cannot read linear weights from {where} "
+                    f"({type(part).__name__}).")
+
+
+def _set_linear(linear, pair):
+    weight, bias = pair
+    linear = eqx.tree_at(lambda m: m.weight, linear, weight)
+    if linear.bias is not None:
+        linear = eqx.tree_at(lambda m: m.bias, linear, bias)
+    return linear
+
+
+def _norm_arrays(part: Any) -> tuple[Any, Any]:
+    if isinstance(part, LearningLayerNorm):
+        return part.weight, part.bias
+    return part.params["weight"], part.params["bias"]
+
+
+def _table(part: Any):
+    return part.table if isinstance(part, LearningEmbedding) else part.params["table"]
+
+
+def to_reference(part: GPTPart, reference: GPT) -> GPT:
+    """The reference equinox GPT holding a GPT part's current weights (e.g. after
+    `pipeline.merge()`), for use outside fusedpc or comparison with a backprop twin.
+
+    `reference` gives the architecture (any GPT of the same sizes).
+    """
+    model = reference
+    model = eqx.tree_at(lambda m: m.tok_emb.weight, model, _table(part.token))
+    model = eqx.tree_at(lambda m: m.pos_emb.weight, model, _table(part.position))
+    blocks = part.blocks.blocks if isinstance(part.blocks, Repeat) else part.blocks
+    new_blocks = []
+    for i, (block, ref) in enumerate(zip(blocks, model.blocks)):
+        attn = block.attention
+        if attn.wqkv is not None:
+            (weight, bias), = _linear_arrays(attn.wqkv, f"blocks[{i}].attention.wqkv")
+            width = weight.shape[1]
+            pairs = [
+                (weight[j * width:(j + 1) * width],
+                 None if bias is None else bias[j * width:(j + 1) * width])
+                for j in range(3)
+            ]
+        else:
+            pairs = [_linear_arrays(getattr(attn, n), f"blocks[{i}].attention.{n}")[0]
+                     for n in ("wq", "wk", "wv")]
+        pairs.append(_linear_arrays(attn.wo, f"blocks[{i}].attention.wo")[0])
+        new_attn = ref.attn
+        for name, pair in zip(("wq", "wk", "wv", "wo"), pairs):
+            new_attn = eqx.tree_at(lambda a, n=name: getattr(a, n), new_attn,
+                                   _set_linear(getattr(new_attn, name), pair))
+        fc1, fc2 = _linear_arrays(block.feed_forward, f"blocks[{i}].feed_forward")
+        ff = eqx.tree_at(lambda f: (f.fc1, f.fc2), ref.ff,
+                         (_set_linear(ref.ff.fc1, fc1), _set_linear(ref.ff.fc2, fc2)))
+        n1 = eqx.tree_at(lambda n: (n.weight, n.bias), ref.n1, _norm_arrays(block.n1))
+        n2 = eqx.tree_at(lambda n: (n.weight, n.bias), ref.n2, _norm_arrays(block.n2))
+        new_blocks.append(eqx.tree_at(lambda b: (b.attn, b.ff, b.n1, b.n2), ref,
+                                      (new_attn, ff, n1, n2)))
+    model = eqx.tree_at(lambda m: m.blocks, model, tuple(new_blocks))
+    model = eqx.tree_at(lambda m: (m.norm_f.weight, m.norm_f.bias), model,
+                        _norm_arrays(part.norm_f))
+    (head,) = _linear_arrays(part.head, "head")
+    return eqx.tree_at(lambda m: m.head, model, _set_linear(model.head, head))

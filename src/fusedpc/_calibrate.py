@@ -1,0 +1,136 @@
+"""Calibrating per-part learning rates from step reports.
+
+Every learning part reports, each step, the norm of its update $\\lVert \\Delta\\theta \\rVert$
+and of its weights $\\lVert \\theta \\rVert$. Their ratio
+
+$$\\rho = \\lVert \\Delta\\theta \\rVert / \\lVert \\theta \\rVert$$
+
+is the fraction by which one step moves the part. A common rule of thumb for steady training
+is $\\rho \\approx 10^{-3}$: much larger and the part churns (or diverges), much smaller and it
+hardly learns. For SGD and for Adam alike the update is, to first order, proportional to the
+learning rate $\\eta$ (SGD: $\\Delta\\theta = -\\eta g$; Adam: $-\\eta \\hat m / \\sqrt{\\hat v}$,
+whose size does not depend on the gradient's scale), so the rate that brings a part from its
+median ratio $\\tilde\\rho$ to the target $\\rho^*$ is
+
+$$\\eta' = \\eta \\cdot \\rho^* / \\tilde\\rho .$$
+
+`calibrate(rows)` computes $\\tilde\\rho$ per part (over every logged step, or the last
+`fraction` of them) and that multiplier, with a one-line reason; `format_table` prints it.
+The rows are what `pipeline.report()` returns (with a `step`), or the `"report"` records of
+the JSONL log that `fusedpc train` writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DEFAULT_TARGET", "PartCalibration", "calibrate", "format_table", "report_rows"]
+
+DEFAULT_TARGET = 1e-3
+"""The default target update/weight ratio per step."""
+
+TOLERANCE = 2.0
+"""A median ratio within this factor of the target counts as on target."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PartCalibration:
+    """One part's calibration: its median update/weight ratio over `steps` logged steps, the
+    rate multiplier $\\rho^* / \\tilde\\rho$ (None when it cannot be computed) and why."""
+
+    part: str
+    layer_sizes: tuple[int, ...]
+    steps: int
+    median_ratio: float
+    multiplier: float | None
+    reason: str
+
+
+def report_rows(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The report rows among log records (`kind == "report"`); plain report rows pass too."""
+    return [r for r in records if r.get("kind", "report") == "report" and "part" in r]
+
+
+def _reason(median: float, target: float) -> tuple[float | None, str]:
+    if not math.isfinite(median):
+        return None, "no finite update ratio logged: the part diverged or its weights are zero"
+    if median == 0.0:
+        return None, "no update at all: the part does not learn (no optimiser, or a zero rate)"
+    factor = median / target
+    multiplier = target / median
+    if factor > TOLERANCE:
+        return multiplier, f"updates {factor:.3g}x larger than target: lower this part's rate"
+    if factor < 1.0 / TOLERANCE:
+        return multiplier, f"updates {1 / factor:.3g}x smaller than target: raise this part's rate"
+    return multiplier, f"within {TOLERANCE:g}x of target: keep this part's rate"
+
+
+def calibrate(
+    rows: Iterable[dict[str, Any]],
+    target: float = DEFAULT_TARGET,
+    fraction: float = 1.0,
+) -> list[PartCalibration]:
+    """Per part (in the order first seen): median update/weight ratio and rate multiplier.
+
+    Args:
+        rows: report rows, each with `part` and `update_ratio` (and `step`, `layer_sizes`
+            when known); log records of other kinds are ignored.
+        target: the update/weight ratio per step to aim for ($\\rho^*$, default 1e-3).
+        fraction: use only the last `fraction` of each part's logged steps (e.g. 0.5 to leave
+            out the start of training, when Adam's first steps are unusually large).
+    """
+    if not (target > 0 and math.isfinite(target)):
+        raise ValueError(f"target must be a positive number, got {target!r}.")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must lie in (0, 1], got {fraction!r}.")
+    ratios: dict[str, list[float]] = {}
+    sizes: dict[str, tuple[int, ...]] = {}
+    for row in report_rows(rows):
+        value = row.get("update_ratio")
+        ratios.setdefault(row["part"], []).append(float("nan") if value is None else float(value))
+        sizes.setdefault(row["part"], tuple(row.get("layer_sizes") or ()))
+    if not ratios:
+        raise ValueError(
+            "no report rows to calibrate from; the log needs lines with kind 'report' "
+            "(fusedpc train writes them every --report-every steps)."
+        )
+    table = []
+    for part, values in ratios.items():
+        values = values[len(values) - max(1, math.ceil(len(values) * fraction)):]
+        finite = np.asarray([v for v in values if math.isfinite(v)], np.float64)
+        median = float(np.median(finite)) if finite.size else float("nan")
+        multiplier, reason = _reason(median, target)
+        table.append(PartCalibration(part, sizes[part], len(values), median, multiplier, reason))
+    return table
+
+
+def format_table(table: list[PartCalibration], target: float = DEFAULT_TARGET) -> str:
+    """The calibration as a fixed-width text table, one part a line."""
+    header = ("part", "sizes", "median ratio", "rate x", "reason")
+    lines = [
+        (
+            c.part,
+            "x".join(str(s) for s in c.layer_sizes) or "-",
+            f"{c.median_ratio:.3g}",
+            "-" if c.multiplier is None else f"{c.multiplier:.3g}",
+            c.reason,
+        )
+        for c in table
+    ]
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *lines, strict=True)]
+
+    def fmt(cells):
+        head = "  ".join(f"{str(x):<{w}}" for x, w in zip(cells[:-1], widths, strict=False))
+        return f"{head}  {cells[-1]}"
+
+    rule = "-" * (sum(widths[:-1]) + 2 * (len(widths) - 1) + widths[-1])
+    title = (
+        f"calibration: median update/weight ratio per step, and the rate multiplier that "
+        f"brings it to the target {target:g}"
+    )
+    return "\n".join([title, rule, fmt(header), rule, *(fmt(line) for line in lines), rule])

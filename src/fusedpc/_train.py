@@ -1,0 +1,827 @@
+"""The training loop behind `fusedpc train`, usable from Python as well.
+
+    from fusedpc._train import TrainConfig, train
+    result = train(TrainConfig(steps=200), "runs/mine")
+    print(result.val_loss, result.sample)
+
+One run trains a hybrid predictive-coding GPT (`fusedpc.build_gpt`) on a text (the bundled
+one by default) with `FusedPipeline.run`, `steps_per_call` steps per compiled call, and writes
+into its folder:
+
+* `config.toml`: the resolved `TrainConfig` (`config_to_toml`), written first;
+* `log.jsonl`: one JSON object a line: `{"kind": "train", "step", "loss", "time",
+  "tokens_per_s", "committed"}` for every step, `{"kind": "eval", "step", "val_loss",
+  "val_perplexity"}` at every evaluation, `{"kind": "report", "step", **row}` for every row of
+  `pipeline.report()` every `report_every` steps, and a `{"kind": "summary", ...}` at the end;
+* `checkpoint.fpc`: `pipeline.save(path, metadata)` with the config, the tokeniser, the data
+  position, the step and the elapsed time;
+* `loss.png`, `update_norm.png`, `update_ratio.png` (see `fusedpc._plots`).
+
+Resuming (`resume_from=`) reloads the checkpoint and the data position; batch `k` of the run
+depends only on `(seed, k)` (see `fusedpc.data.BatchIterator`), so a resumed run draws the
+batches an uninterrupted one would, whatever `steps_per_call` is, and its losses are the same
+at every later step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import math
+import os
+import signal
+import threading
+import time
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from . import _plots, data
+from ._progress import Progress, format_duration
+
+CHECKPOINT_NAME = "checkpoint.fpc"
+LOG_NAME = "log.jsonl"
+CONFIG_NAME = "config.toml"
+
+OPTIMISERS = ("adam", "adamw", "sgd")
+TOKENIZERS = ("char", "byte")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides a training run (the CLI's flags and the TOML file's keys).
+
+    **[data]** `text`: a bundled text name (`"hamlet"`) or the path of a UTF-8 file;
+    `tokenizer`: `"char"` (vocabulary = the text's characters) or `"byte"` (256 tokens);
+    `validation_fraction`: the share of the text, at its end, held out for validation.
+
+    **[model]** `width`, `heads` (must divide `width`), `blocks`, `ff_width`, `seq` (tokens per
+    row, also the position table's length); `learn`: the learning slots, a preset (`"all"`,
+    `"ff_head"`, `"none"`) or a comma list of `token, position, attention, feed_forward, norm,
+    head`; `learning_kind`: `"precision_weighted"`, `"standard"` or `"synaptic_uncertainty"`
+    (which needs `window` >= 1); `head_kind`: `"gaussian"` (logits) or `"categorical"`
+    (probabilities).
+
+    **[optimiser]** `optimiser`: `"adam"`, `"adamw"` or `"sgd"`; `lr`; `weight_decay` (adamw).
+
+    **[training]** `steps` (the total to reach), `batch` (rows per step, per process),
+    `steps_per_call` (K steps per compiled call), `seed`, `eval_every` (steps between
+    validations; 0: only at the start and the end), `eval_batches`, `report_every` (steps
+    between logged report rows), `save_every` (steps between checkpoints; 0: only at the end),
+    `sample_tokens` and `temperature` of the final sample.
+
+    **[runtime]** `devices` (data-parallel devices; on CPU they are emulated), `distributed`
+    (join a multi-process run with `jax.distributed.initialize()`).
+    """
+
+    # [data]
+    text: str = data.DEFAULT_TEXT
+    tokenizer: str = "char"
+    validation_fraction: float = 0.1
+    # [model]
+    width: int = 64
+    heads: int = 4
+    blocks: int = 2
+    ff_width: int = 256
+    seq: int = 64
+    learn: str = "all"
+    learning_kind: str = "precision_weighted"
+    window: int = 0
+    head_kind: str = "gaussian"
+    # [optimiser]
+    optimiser: str = "adam"
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    # [training]
+    steps: int = 1000
+    batch: int = 16
+    steps_per_call: int = 10
+    seed: int = 0
+    eval_every: int = 200
+    eval_batches: int = 8
+    report_every: int = 10
+    save_every: int = 0
+    sample_tokens: int = 200
+    temperature: float = 0.8
+    # [runtime]
+    devices: int = 1
+    distributed: bool = False
+
+    def validate(self) -> None:
+        """Raise a `ValueError` naming the first bad setting and what is allowed."""
+        positive = (
+            "width", "heads", "blocks", "ff_width", "seq", "steps", "batch", "steps_per_call",
+            "eval_batches", "report_every", "devices",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not value >= 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        for name in ("seed", "eval_every", "save_every", "sample_tokens", "window"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}.")
+        if self.width % self.heads:
+            raise ValueError(
+                f"heads={self.heads} must divide width={self.width} (each head gets "
+                f"width/heads features); choose e.g. heads={_divisor_near(self.width, self.heads)}."
+            )
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}.")
+        if self.optimiser not in OPTIMISERS:
+            raise ValueError(f"optimiser must be one of {OPTIMISERS}, got {self.optimiser!r}.")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}.")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}.")
+        if not 0 < self.validation_fraction < 1:
+            raise ValueError(
+                f"validation_fraction must lie strictly between 0 and 1, got "
+                f"{self.validation_fraction!r}."
+            )
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
+        from ._local_update import LEARNING_KINDS
+
+        if self.learning_kind not in LEARNING_KINDS:
+            raise ValueError(
+                f"learning_kind must be one of {LEARNING_KINDS}, got {self.learning_kind!r}."
+            )
+        if self.learning_kind == "synaptic_uncertainty" and self.window < 1:
+            raise ValueError(
+                "learning_kind 'synaptic_uncertainty' needs window >= 1 (the number of steps "
+                "its per-weight beliefs average over); pass e.g. --window 100."
+            )
+        if self.batch % self.devices:
+            raise ValueError(
+                f"batch={self.batch} must divide over devices={self.devices}; use a multiple "
+                f"of {self.devices}."
+            )
+        self.gpt_config(vocab_size=1).validate()  # learn slots, learning kind, head kind
+
+    def gpt_config(self, vocab_size: int):
+        from ._gpt_build import GPTConfig
+
+        return GPTConfig(
+            vocab_size=vocab_size,
+            width=self.width,
+            n_heads=self.heads,
+            n_blocks=self.blocks,
+            ff_width=self.ff_width,
+            max_len=self.seq,
+            learn=self.learn,
+            learning_kind=self.learning_kind,
+            learning_kwargs={"window": self.window}
+            if self.learning_kind == "synaptic_uncertainty"
+            else None,
+            head_kind=self.head_kind,
+        )
+
+
+def _divisor_near(width: int, heads: int) -> int:
+    return min((d for d in range(1, width + 1) if width % d == 0), key=lambda d: abs(d - heads))
+
+
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "data": ("text", "tokenizer", "validation_fraction"),
+    "model": (
+        "width", "heads", "blocks", "ff_width", "seq", "learn", "learning_kind", "window",
+        "head_kind",
+    ),
+    "optimiser": ("optimiser", "lr", "weight_decay"),
+    "training": (
+        "steps", "batch", "steps_per_call", "seed", "eval_every", "eval_batches",
+        "report_every", "save_every", "sample_tokens", "temperature",
+    ),
+    "runtime": ("devices", "distributed"),
+}
+
+RESUMABLE = frozenset(
+    {
+        "steps", "steps_per_call", "eval_every", "eval_batches", "report_every", "save_every",
+        "sample_tokens", "temperature", "devices",
+    }
+)
+"""Settings a resumed run may change: none of them changes the batches or the updates."""
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_TYPES = {name: type(f.default) for name, f in _FIELDS.items()}
+
+
+def coerce_settings(settings: dict[str, Any], where: str) -> dict[str, Any]:
+    """Check the names and types of `settings` (as read from TOML or given in Python).
+
+    Integers are accepted for float settings; a list of slot names for `learn`.
+    """
+    out = {}
+    for name, value in settings.items():
+        if name not in _TYPES:
+            raise ValueError(f"{where}: unknown setting {name!r}; known: {', '.join(_TYPES)}.")
+        kind = _TYPES[name]
+        if name == "learn" and isinstance(value, list | tuple):
+            value = ",".join(str(v) for v in value)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if kind is int and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ValueError(
+                f"{where}: {name} must be {kind.__name__}, got {value!r} "
+                f"({type(value).__name__})."
+            )
+        out[name] = value
+    return out
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The settings of a TOML config file, flattened (sections as in `SECTIONS`).
+
+    Raises `FileNotFoundError` for a missing file and `ValueError` for a malformed one, an
+    unknown section or key, a key in the wrong section or a value of the wrong type.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config file at {path!r}")
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"config file {path!r} is not valid TOML: {err}") from None
+    section_of = {name: s for s, names in SECTIONS.items() for name in names}
+    flat: dict[str, Any] = {}
+    for section, table in raw.items():
+        if section in _FIELDS and section in section_of:
+            raise ValueError(
+                f"config file {path!r}: key {section!r} must be inside the "
+                f"[{section_of[section]}] section."
+            )
+        if section not in SECTIONS or not isinstance(table, dict):
+            raise ValueError(
+                f"config file {path!r}: unknown section {section!r}; sections are "
+                f"{', '.join(f'[{s}]' for s in SECTIONS)}."
+            )
+        for name, value in table.items():
+            if section_of.get(name) != section:
+                hint = f" (it belongs in [{section_of[name]}])" if name in section_of else ""
+                raise ValueError(
+                    f"config file {path!r}: unknown key {name!r} in [{section}]{hint}; known "
+                    f"keys there: {', '.join(SECTIONS[section])}."
+                )
+            flat[name] = value
+    return coerce_settings(flat, f"config file {path!r}")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def config_to_toml(config: TrainConfig) -> str:
+    """The config as a TOML document, one section per group of `SECTIONS`."""
+    lines = ["# fusedpc train: the resolved configuration of this run.", ""]
+    for section, names in SECTIONS.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{name} = {_toml_value(getattr(config, name))}" for name in names)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def resolve_config(
+    file: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None
+) -> TrainConfig:
+    """Defaults, then the config `file`, then `overrides`; validated."""
+    settings: dict[str, Any] = {}
+    if file is not None:
+        settings.update(read_config_file(file))
+    settings.update(coerce_settings(dict(overrides or {}), "settings"))
+    config = dataclasses.replace(TrainConfig(), **settings)
+    config.validate()
+    return config
+
+
+def resume_config(run_dir: str | os.PathLike, overrides: dict[str, Any] | None = None):
+    """The config of the run in `run_dir`, with the `overrides` a resumed run may change.
+
+    Changing anything outside `RESUMABLE` (the model, the data, the optimiser, the seed, the
+    batch) would make the continuation differ from an uninterrupted run, and is refused.
+    """
+    run_dir = os.fspath(run_dir)
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"--resume: no run folder at {run_dir!r}")
+    for name in (CONFIG_NAME, CHECKPOINT_NAME):
+        if not os.path.isfile(os.path.join(run_dir, name)):
+            raise FileNotFoundError(
+                f"--resume: {run_dir!r} has no {name}; give the folder of a run that "
+                "fusedpc train wrote."
+            )
+    saved = resolve_config(os.path.join(run_dir, CONFIG_NAME))
+    overrides = coerce_settings(dict(overrides or {}), "settings")
+    fixed = sorted(
+        name for name, value in overrides.items()
+        if name not in RESUMABLE and value != getattr(saved, name)
+    )
+    if fixed:
+        raise ValueError(
+            f"--resume: cannot change {', '.join(fixed)} of a run being resumed (the "
+            f"continuation would no longer match an uninterrupted run); only "
+            f"{', '.join(sorted(RESUMABLE))} may change."
+        )
+    config = dataclasses.replace(saved, **overrides)
+    config.validate()
+    return config
+
+
+# --------------------------------------------------------------------------- pieces
+def make_optimiser(config: TrainConfig):
+    """The optax optimiser named by `config.optimiser` at rate `config.lr`."""
+    import optax
+
+    if config.optimiser == "adam":
+        return optax.adam(config.lr)
+    if config.optimiser == "adamw":
+        return optax.adamw(config.lr, weight_decay=config.weight_decay)
+    return optax.sgd(config.lr)
+
+
+def load_tokens(config: TrainConfig, tokenizer: dict | None = None):
+    """`(text, tokenizer, train_ids, val_ids)` for `config`; `tokenizer` (a `to_dict`) when
+    resuming, so that the vocabulary is the one the model was built with."""
+    text = data.load_text(config.text)
+    if tokenizer is not None:
+        tok = data.tokenizer_from_dict(tokenizer)
+    elif config.tokenizer == "char":
+        tok = data.CharTokenizer.from_text(text)
+    else:
+        tok = data.ByteTokenizer()
+    ids = tok.encode(text)
+    train_ids, val_ids = data.split(ids, config.validation_fraction)
+    for name, part in (("training", train_ids), ("validation", val_ids)):
+        if len(part) < config.seq + 1:
+            raise ValueError(
+                f"the text's {name} split has {len(part)} tokens, fewer than seq + 1 = "
+                f"{config.seq + 1}; use a longer text, a shorter --seq or another "
+                "validation_fraction."
+            )
+    return text, tok, train_ids, val_ids
+
+
+def make_mesh(config: TrainConfig):
+    """The data-parallel mesh for `config` (None for one device in one process)."""
+    import jax
+
+    from ._sharding import data_mesh
+
+    if config.distributed:
+        return data_mesh()
+    if config.devices == 1:
+        return None
+    have = len(jax.devices())
+    if have < config.devices:
+        raise ValueError(
+            f"devices={config.devices} asked for {config.devices} devices, but JAX sees {have}; "
+            "on CPU, `fusedpc train --devices N` emulates them; from Python call "
+            "fusedpc._sharding.emulate_cpu_devices(N) before JAX starts."
+        )
+    return data_mesh(config.devices)
+
+
+def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
+    """The `FusedPipeline` of a run: `build_gpt` at `jax.random.key(config.seed)`."""
+    import jax
+
+    from ._executor import FusedPipeline
+    from ._gpt_build import build_gpt
+
+    gpt = config.gpt_config(vocab_size)
+    part, _ = build_gpt(gpt, make_optimiser(config), jax.random.key(config.seed))
+    return FusedPipeline(part, gpt.error_fn, key=jax.random.key(config.seed), mesh=mesh)
+
+
+def load_run(run_dir: str | os.PathLike):
+    """`(pipeline, tokenizer, config, metadata)` of the run saved in `run_dir`."""
+    config = resume_config(run_dir)
+    path = os.path.join(os.fspath(run_dir), CHECKPOINT_NAME)
+    from ._checkpoint import read_checkpoint_manifest
+
+    metadata = read_checkpoint_manifest(path)["metadata"]
+    tok = data.tokenizer_from_dict(metadata["tokenizer"])
+    pipeline = build_pipeline(config, tok.vocab_size)
+    pipeline.load(path)
+    return pipeline, tok, config, metadata
+
+
+def cross_entropy(outputs: np.ndarray, targets: np.ndarray, probabilities: bool) -> float:
+    """Mean $-\\log p(t)$ over every position; `outputs` `(..., V)` holds logits, or
+    probabilities when `probabilities`; `targets` `(...)` integer ids. Computed in float64."""
+    out = np.asarray(outputs, np.float64)
+    if probabilities:
+        logp = np.log(np.clip(out, 1e-30, 1.0))
+    else:
+        shifted = out - out.max(axis=-1, keepdims=True)
+        logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    picked = np.take_along_axis(logp, np.asarray(targets)[..., None].astype(np.int64), axis=-1)
+    return float(-picked.mean())
+
+
+def _host(x) -> np.ndarray:
+    """A device array as NumPy, also when it spans processes (replicated or gathered)."""
+    import jax
+
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def evaluate(pipeline, inputs: np.ndarray, targets: np.ndarray, probabilities: bool) -> float:
+    """Mean validation cross-entropy over the batches `inputs`/`targets` `(N, B, T)`."""
+    losses = [
+        cross_entropy(_host(pipeline.predict(x)), y, probabilities)
+        for x, y in zip(inputs, targets, strict=True)
+    ]
+    return float(np.mean(losses))
+
+
+class StopRequest:
+    """Turns the first Ctrl-C (SIGINT) into a request to stop after the current call; a
+    second Ctrl-C interrupts at once. Installed only in the main thread."""
+
+    def __init__(self, on_request: Callable[[], None] | None = None):
+        self.requested = False
+        self.aborted = False
+        self._on_request = on_request
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            self.aborted = True
+            raise KeyboardInterrupt
+        self.requested = True
+        if self._on_request is not None:
+            self._on_request()
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+def _in_step(pipeline, step: int) -> bool:
+    """Whether the pipeline's state is alive and at `step` (what the log has recorded)."""
+    try:
+        return pipeline.steps == step
+    except RuntimeError:  # the state was donated to a call that never returned
+        return False
+
+
+def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSONL log, in order; a `ValueError` names a malformed line."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no log file at {path!r}")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object per line")
+            records.append(record)
+    return records
+
+
+def _write_lines(path: Path, records: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+
+
+def _default_out() -> Path:
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    out = Path("runs") / stamp
+    n = 1
+    while out.exists():
+        n += 1
+        out = Path("runs") / f"{stamp}_{n}"
+    return out
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What `train` returns: the run's folder, final figures and the live pipeline."""
+
+    out: Path
+    config: TrainConfig
+    step: int
+    train_loss: float
+    val_loss: float
+    val_perplexity: float
+    tokens_per_s: float
+    elapsed_s: float
+    compile_s: float
+    skipped_steps: int
+    interrupted: bool
+    sample: str
+    pipeline: Any
+    tokenizer: Any
+    files: list[Path]
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        """`(label, value)` rows of the end-of-run table."""
+        return [
+            ("steps", f"{self.step}" + (" (interrupted)" if self.interrupted else "")),
+            ("train loss (last 10 steps)", f"{self.train_loss:.4f}"),
+            ("validation loss", f"{self.val_loss:.4f}"),
+            ("validation perplexity", f"{self.val_perplexity:.2f}"),
+            ("tokens/s (after compiling)", f"{self.tokens_per_s:,.0f}"),
+            ("time (all sessions)", format_duration(self.elapsed_s)),
+            ("first call (compiling)", f"{self.compile_s:.1f} s"),
+            ("skipped steps (non-finite)", f"{self.skipped_steps}"),
+            ("output folder", str(self.out)),
+        ]
+
+
+def format_summary(result: TrainResult) -> str:
+    rows = result.summary_rows()
+    width = max(len(label) for label, _ in rows)
+    rule = "-" * (width + 2 + max(len(v) for _, v in rows))
+    body = [f"{label:<{width}}  {value}" for label, value in rows]
+    return "\n".join([rule, *body, rule])
+
+
+def train(
+    config: TrainConfig,
+    out: str | os.PathLike | None = None,
+    *,
+    resume_from: str | os.PathLike | None = None,
+    stream: TextIO | None = None,
+    interactive: bool | None = None,
+    callback: Callable[[int, float], bool | None] | None = None,
+) -> TrainResult:
+    """Train (or continue) a run; see the module docstring for the files it writes.
+
+    Args:
+        config: the run's settings (`resolve_config` / `resume_config` make one).
+        out: the output folder (default `runs/<timestamp>`; with `resume_from`, that folder).
+        resume_from: a run folder to continue from (its `checkpoint.fpc` and log).
+        stream: where the progress line and messages go (default `sys.stderr`).
+        interactive: force the in-place progress line on or off (default: `stream.isatty()`).
+        callback: called after every compiled call with `(step, last loss)`; returning True
+            stops the run as Ctrl-C would (checkpoint and files written).
+
+    Ctrl-C (or a `KeyboardInterrupt` from `callback`) stops after the current call, saves
+    the checkpoint and writes every file; `TrainResult.interrupted` is then True.
+    """
+    import sys
+
+    import jax
+
+    config.validate()
+    stream = sys.stderr if stream is None else stream
+    if config.distributed:
+        from ._sharding import initialize_distributed
+
+        initialize_distributed()
+    leader = jax.process_index() == 0
+    if out is None:
+        out = resume_from if resume_from is not None else _default_out()
+    out = Path(out)
+    if resume_from is None and (out / CHECKPOINT_NAME).exists():
+        raise ValueError(
+            f"{str(out)!r} already holds a run ({CHECKPOINT_NAME}); continue it with "
+            f"--resume {out}, or choose another --out."
+        )
+    checkpoint_in = None if resume_from is None else Path(resume_from) / CHECKPOINT_NAME
+    metadata: dict[str, Any] = {}
+    if checkpoint_in is not None:
+        from ._checkpoint import read_checkpoint_manifest
+
+        metadata = read_checkpoint_manifest(checkpoint_in)["metadata"]
+        if not isinstance(metadata, dict) or "tokenizer" not in metadata:
+            raise ValueError(f"{str(checkpoint_in)!r} was not written by fusedpc train.")
+
+    text, tok, train_ids, val_ids = load_tokens(config, metadata.get("tokenizer"))
+    text_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if metadata and metadata.get("text_sha256") != text_hash:
+        raise ValueError(
+            f"the text {config.text!r} differs from the one the run was trained on (its "
+            "SHA-256 changed); resume with the same text."
+        )
+    mesh = make_mesh(config)
+    pipeline = build_pipeline(config, tok.vocab_size, mesh)
+    n_processes = jax.process_count()
+    batches = data.BatchIterator(
+        train_ids, config.batch, config.seq, seed=config.seed + jax.process_index()
+    )
+    start_step, elapsed_before = 0, 0.0
+    if checkpoint_in is not None:
+        pipeline.load(checkpoint_in)
+        start_step = int(metadata["step"])
+        elapsed_before = float(metadata.get("elapsed_s", 0.0))
+        batches.load_state_dict({**metadata["data"], "seed": batches.seed})
+        if batches.step != start_step:
+            raise ValueError(
+                f"{str(checkpoint_in)!r}: its data position ({batches.step}) and step "
+                f"({start_step}) disagree; the checkpoint was not written by fusedpc train."
+            )
+        if config.steps <= start_step:
+            raise ValueError(
+                f"--steps {config.steps} is not beyond the checkpoint's step {start_step}; "
+                f"pass a larger --steps (the total to reach) to continue."
+            )
+
+    # Validation batches: the same ones at every evaluation, identical on every process.
+    val_iter = data.BatchIterator(val_ids, config.batch * n_processes, config.seq, seed=config.seed)
+    val_x, val_y = val_iter.next_batches(config.eval_batches)
+    probabilities = config.head_kind == "categorical"
+
+    log_path, records = out / LOG_NAME, []
+    if leader:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
+        if checkpoint_in is not None:
+            previous = Path(resume_from) / LOG_NAME
+            if previous.exists():
+                records = [
+                    r for r in read_log(previous) if int(r.get("step", 0)) <= start_step
+                ]
+        _write_lines(log_path, records)
+    log = open(log_path, "a", encoding="utf-8") if leader else None  # noqa: SIM115
+
+    def emit(record: dict) -> None:
+        records.append(record)
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+
+    progress = Progress(
+        config.steps, start_step, stream=stream if leader else io.StringIO(),
+        interactive=interactive,
+    )
+
+    def say(text: str) -> None:
+        if leader:
+            progress.message(text)
+
+    def run_eval(step: int) -> float:
+        loss = evaluate(pipeline, val_x, val_y, probabilities)
+        emit({"kind": "eval", "step": step, "val_loss": loss,
+              "val_perplexity": float(np.exp(loss))})
+        say(f"step {step}: validation loss {loss:.4f}, perplexity {np.exp(loss):.2f}")
+        return loss
+
+    def save(step: int, elapsed: float) -> None:
+        meta = {
+            "config": dataclasses.asdict(config),
+            "tokenizer": tok.to_dict(),
+            "data": batches.state_dict(),
+            "step": step,
+            "elapsed_s": elapsed,
+            "text_sha256": text_hash,
+        }
+        if leader:
+            pipeline.save(out / CHECKPOINT_NAME, meta)
+        if log is not None:
+            log.flush()
+
+    say(
+        f"fusedpc train: {config.blocks} blocks, width {config.width}, {config.heads} heads, "
+        f"vocabulary {tok.vocab_size}, learning {config.learn!r}, {config.optimiser} "
+        f"lr {config.lr:g}; {len(train_ids):,} training tokens -> {out}"
+    )
+    if start_step > 0:
+        say(f"resuming from step {start_step} of {resume_from}")
+
+    step = start_step
+    last_eval = run_eval(step) if start_step == 0 else None
+    last_eval_step = step if start_step == 0 else -1
+    tokens_per_step = config.batch * config.seq * n_processes
+    began = time.perf_counter()
+    compile_s, steady_time, steady_tokens = 0.0, 0.0, 0
+
+    def crossed(every: int, before: int, after: int) -> bool:
+        return every > 0 and after // every > before // every
+
+    stop = StopRequest(lambda: say("stopping after this call (Ctrl-C again to abort at once)"))
+    try:
+        with stop:
+            while step < config.steps and not stop.requested:
+                # Calls end at multiples of K, so resuming anywhere rejoins the same chunks.
+                k = min(config.steps_per_call - step % config.steps_per_call, config.steps - step)
+                xs, ys = batches.next_batches(k)
+                if n_processes > 1:
+                    from ._sharding import make_global_batch
+
+                    xs, ys = make_global_batch(xs, mesh, 1), make_global_batch(ys, mesh, 1)
+                t0 = time.perf_counter()
+                _, _, metrics = pipeline.run(xs, ys, keep_outputs=False)
+                losses, committed = _host(metrics.loss), _host(metrics.committed)
+                dt = time.perf_counter() - t0
+                if step == start_step:
+                    compile_s = dt
+                else:
+                    steady_time += dt
+                    steady_tokens += k * tokens_per_step
+                now = elapsed_before + time.perf_counter() - began
+                for i in range(k):
+                    s = step + i + 1
+                    emit({"kind": "train", "step": s, "loss": float(losses[i]),
+                          "time": now - dt * (k - 1 - i) / k,
+                          "tokens_per_s": k * tokens_per_step / dt,
+                          "committed": bool(committed[i])})
+                    if s % config.report_every == 0:
+                        for row in pipeline.report(index=i):
+                            emit({"kind": "report", "step": s, **row})
+                step += k
+                progress.update(step, float(losses[-1]), k * tokens_per_step)
+                if crossed(config.eval_every, step - k, step):
+                    last_eval, last_eval_step = run_eval(step), step
+                if crossed(config.save_every, step - k, step):
+                    save(step, elapsed_before + time.perf_counter() - began)
+                if callback is not None and callback(step, float(losses[-1])):
+                    stop.requested = True
+    except KeyboardInterrupt:
+        # A second Ctrl-C aborts without saving (the last checkpoint stays intact); so does
+        # an interrupt that left the pipeline and the log out of step.
+        if stop.aborted or not _in_step(pipeline, step):
+            progress.close()
+            raise
+        stop.requested = True
+    interrupted = stop.requested
+    if interrupted:
+        say(f"interrupted at step {step}: saving the checkpoint and writing the files")
+    elapsed = elapsed_before + time.perf_counter() - began
+    if last_eval_step != step:
+        last_eval = run_eval(step)
+    save(step, elapsed)
+    progress.close()
+
+    sample = ""
+    if not interrupted and config.sample_tokens > 0 and n_processes == 1:
+        from ._generate import generate
+
+        prompt = val_ids[: max(1, min(16, config.seq // 2))]
+        ids = generate(
+            pipeline, prompt[None], config.sample_tokens, config.temperature,
+            jax.random.fold_in(jax.random.key(config.seed), step),
+        )
+        sample = tok.decode(np.asarray(ids)[0])
+
+    train_losses = [r["loss"] for r in records if r.get("kind") == "train"]
+    tail = [x for x in train_losses[-10:] if math.isfinite(x)]
+    result = TrainResult(
+        out=out,
+        config=config,
+        step=step,
+        train_loss=float(np.mean(tail)) if tail else float("nan"),
+        val_loss=float(last_eval),
+        val_perplexity=float(np.exp(last_eval)),
+        tokens_per_s=steady_tokens / steady_time if steady_time > 0 else float("nan"),
+        elapsed_s=elapsed,
+        compile_s=compile_s,
+        skipped_steps=pipeline.skipped_steps,
+        interrupted=interrupted,
+        sample=sample,
+        pipeline=pipeline,
+        tokenizer=tok,
+        files=[],
+    )
+    emit({"kind": "summary", "step": step, "train_loss": result.train_loss,
+          "val_loss": result.val_loss, "val_perplexity": result.val_perplexity,
+          "tokens_per_s": result.tokens_per_s, "elapsed_s": elapsed,
+          "compile_s": compile_s, "skipped_steps": result.skipped_steps,
+          "interrupted": interrupted})
+    if log is not None:
+        log.close()
+        result.files = [
+            out / CONFIG_NAME, log_path, out / CHECKPOINT_NAME,
+            *_plots.render_all(records, out),
+        ]
+    return result

@@ -1,0 +1,598 @@
+"""Benchmarks of a GPT part tree, side by side in one run; one JSON object per line.
+
+Variants (each measured on the same config, weights and batches):
+
+* `fused`: `FusedPipeline.step`, the whole training step as one compiled program;
+* `fused_run`: `FusedPipeline.run` with `--k` steps per call (a `lax.scan`), per-step time;
+* `unfused`: the same tree with one jit per leaf part, the composites walked in Python
+  (`fusedpc._unfused`), so errors pass between parts through the host dispatch loop;
+* `backprop`: the reference equinox GPT trained by `jax.value_and_grad` and the same optax
+  optimiser, state donated (`fusedpc.models.make_backprop_step`).
+
+`--blocks 1,2,4,8,16` runs a depth sweep instead: `fused_scan` (blocks in a `Repeat`, one
+scanned block) and `fused_unrolled` (blocks unrolled in Python) at each depth. `--peak` adds
+a float32 matmul probe (the machine's reachable GFLOP/s) and a `peak_fraction` per row. The
+donation probe compares the compiled memory of the fused step with and without its state
+donated (`Compiled.memory_analysis()`).
+
+Every measurement runs in its own subprocess by default, so the peak host RSS
+(`ru_maxrss`, which only ever grows within a process) belongs to one variant alone;
+`--in-process` runs them all in this process (faster; `peak_mb` is then the growth of the
+maximum RSS during the variant, a lower bound). jax is imported only after the flags are
+parsed, so `--devices N` can set `XLA_FLAGS=--xla_force_host_platform_device_count=N` first.
+
+Timing: the first call (tracing, compiling, one execution) is `first_call_s`; `compile_s`
+is the same figure (the time a user waits before the first step returns) and
+`compile_only_s` subtracts one steady step. Then `--warmup` untimed calls, then `--steps`
+timed calls, each ended by `jax.block_until_ready` on the outputs and the new state;
+`step_ms` is the median (`step_ms_p25`/`p75` the quartiles). `gflops` divides the analytic
+FLOP count of one backprop step (`fusedpc.models.count_flops`: matrix products only) by the
+median step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+VARIANTS = ("fused", "fused_run", "unfused", "backprop")
+SWEEP_VARIANTS = ("fused_scan", "fused_unrolled")
+PROBES = ("peak", "donation")
+OPTIMISERS = ("adam", "adamw", "sgd")
+
+
+# --------------------------------------------------------------------------- arguments
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer or a comma-separated list of integers, got {text!r}"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _variant_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    allowed = VARIANTS + SWEEP_VARIANTS
+    unknown = [v for v in values if v not in allowed]
+    if unknown or not values:
+        raise argparse.ArgumentTypeError(
+            f"unknown variants {unknown or values}; choose from {', '.join(allowed)}"
+        )
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fusedpc bench",
+        description="Benchmark a GPT part tree: fused step, fused run (K steps per call), "
+        "unfused (one jit per part) and the backprop twin, side by side. Prints one JSON "
+        "object per line.",
+    )
+    p.add_argument("--vocab", type=int, default=65, help="vocabulary size (default 65)")
+    p.add_argument("--width", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument(
+        "--blocks", type=_int_list, default=[2],
+        help="blocks; a comma-separated list (1,2,4,8,16) runs the depth sweep (default 2)",
+    )
+    p.add_argument("--ff-width", type=int, default=None, help="feed-forward width (4 x width)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    p.add_argument("--batch", type=int, default=16, help="batch size (default 16)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant (>= 1)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first call")
+    p.add_argument(
+        "--learning", choices=("all", "ff_head", "none"), default="all",
+        help="which slots learn (default all)",
+    )
+    p.add_argument("--k", type=int, default=10, help="steps per `run` call (default 10)")
+    p.add_argument("--optimiser", choices=OPTIMISERS, default="adam", help="optax optimiser")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument(
+        "--variants", type=_variant_list, default=None,
+        help="comma-separated subset of fused,fused_run,unfused,backprop (default: all four; "
+        "with a depth sweep fused_scan,fused_unrolled)",
+    )
+    p.add_argument("--compare", action="store_true", help="add ratios to backprop at the end")
+    p.add_argument("--peak", action="store_true", help="run the matmul peak probe first")
+    p.add_argument(
+        "--peak-sizes", type=_int_list, default=[1024, 2048],
+        help="matrix sizes n for the n x n x n float32 peak probe (best is reported)",
+    )
+    p.add_argument(
+        "--no-donate-probe", action="store_true",
+        help="skip the donation probe (compiled memory with and without donation)",
+    )
+    p.add_argument(
+        "--devices", type=int, default=1,
+        help="emulated CPU devices (sets XLA_FLAGS before jax starts); batch sharded over them",
+    )
+    p.add_argument(
+        "--in-process", action="store_true",
+        help="run every measurement in this process (peak_mb is then an RSS growth)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed of weights and batches")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("vocab", "width", "heads", "seq", "batch", "steps", "k", "devices"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.width % args.heads:
+        p.error(f"--heads {args.heads} must divide --width {args.width}")
+    if args.batch % args.devices:
+        p.error(f"--batch {args.batch} must divide over --devices {args.devices}")
+    if args.ff_width is None:
+        args.ff_width = 4 * args.width
+    sweep = len(args.blocks) > 1
+    if args.variants is None:
+        args.variants = list(SWEEP_VARIANTS if sweep else VARIANTS)
+
+
+def _config(args: argparse.Namespace, blocks: int) -> dict[str, Any]:
+    return {
+        "vocab": args.vocab,
+        "width": args.width,
+        "heads": args.heads,
+        "blocks": blocks,
+        "ff_width": args.ff_width,
+        "seq": args.seq,
+        "batch": args.batch,
+        "learning": args.learning,
+        "optimiser": args.optimiser,
+        "lr": args.lr,
+        "steps": args.steps,
+        "devices": args.devices,
+    }
+
+
+# --------------------------------------------------------------------------- measurement
+def _maxrss_mb() -> float:
+    """Peak resident set size of this process so far, in MB (Linux reports KiB)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1024.0 if sys.platform != "darwin" else rss / (1024.0 * 1024.0)
+
+
+def _device_info() -> dict[str, Any]:
+    import jax
+
+    device = jax.devices()[0]
+    return {
+        "device": str(getattr(device, "device_kind", device.platform)),
+        "platform": device.platform,
+        "n_devices": jax.device_count(),
+        "jax": jax.__version__,
+    }
+
+
+def _device_peak_mb() -> float | None:
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return stats["peak_bytes_in_use"] / 2**20
+
+
+def _optimiser(args: argparse.Namespace):
+    import optax
+
+    return {"adam": optax.adam, "adamw": optax.adamw, "sgd": optax.sgd}[args.optimiser](args.lr)
+
+
+class _Setup:
+    """The GPT config, optimiser, mesh and device-resident batches shared by a variant."""
+
+    def __init__(self, args: argparse.Namespace, blocks: int):
+        import jax
+        import jax.numpy as jnp
+
+        import fusedpc
+
+        self.args = args
+        self.blocks = blocks
+        self.optimiser = _optimiser(args)
+        self.mesh = None
+        if args.devices > 1:
+            if jax.device_count() < args.devices:
+                raise RuntimeError(
+                    f"--devices {args.devices}: jax sees {jax.device_count()} devices; jax "
+                    "started before XLA_FLAGS was set. Run the bench in a fresh process."
+                )
+            self.mesh = jax.sharding.Mesh(jax.devices()[: args.devices], ("data",))
+
+        def cfg(scan: bool) -> Any:
+            return fusedpc.GPTConfig(
+                vocab_size=args.vocab, width=args.width, n_heads=args.heads, n_blocks=blocks,
+                ff_width=args.ff_width, max_len=args.seq, learn=args.learning, scan=scan,
+            )
+
+        self.make_config = cfg
+        key = jax.random.key(args.seed)
+        self.model_key, data_key = jax.random.split(key)
+        k_ids, k_targets = jax.random.split(data_key)
+        shape = (4, args.batch, args.seq)
+        self.ids = jax.random.randint(k_ids, shape, 0, args.vocab, dtype=jnp.int32)
+        self.targets = jax.random.randint(k_targets, shape, 0, args.vocab, dtype=jnp.int32)
+        run_shape = (args.k, args.batch, args.seq)
+        self.run_ids = jax.random.randint(k_ids, run_shape, 0, args.vocab, dtype=jnp.int32)
+        self.run_targets = jax.random.randint(
+            k_targets, run_shape, 0, args.vocab, dtype=jnp.int32
+        )
+
+    def build(self, scan: bool):
+        import fusedpc
+
+        config = self.make_config(scan)
+        part, reference = fusedpc.build_gpt(config, self.optimiser, self.model_key)
+        return config, part, reference
+
+    def shard(self, x, axis: int = 0):
+        """Place a batch with its batch axis over the mesh's 'data' axis (no mesh: as is)."""
+        if self.mesh is None:
+            return x
+        import jax
+
+        spec = [None] * x.ndim
+        spec[axis] = "data"
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.device_put(x, sharding)
+
+    def batch(self, i: int):
+        j = i % self.ids.shape[0]
+        return self.shard(self.ids[j]), self.shard(self.targets[j])
+
+
+def _time_calls(call, warmup: int, steps: int) -> dict[str, Any]:
+    """Time `call()` (which blocks until its results are ready): first call, warm-up, steps."""
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(call(0))
+    first = time.perf_counter() - t0
+    for i in range(warmup):
+        jax.block_until_ready(call(1 + i))
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call(1 + warmup + i))
+        times.append(time.perf_counter() - t0)
+    return {"first": first, "times": times}
+
+
+def _quartiles(times: list[float]) -> tuple[float, float, float]:
+    if len(times) == 1:
+        return times[0], times[0], times[0]
+    q = statistics.quantiles(times, n=4, method="inclusive")
+    return q[0], statistics.median(times), q[2]
+
+
+def _measure_variant(args: argparse.Namespace, variant: str, blocks: int) -> dict[str, Any]:
+    """Build, warm and time one variant in this process; returns its JSON row."""
+    import equinox as eqx
+    import jax
+
+    import fusedpc
+    from fusedpc._unfused import UnfusedPipeline
+    from fusedpc.models import count_flops, make_backprop_step
+
+    rss_before = _maxrss_mb()
+    setup = _Setup(args, blocks)
+    steps_per_call = 1
+
+    if variant in ("fused", "fused_scan", "fused_unrolled", "fused_run"):
+        config, part, _ = setup.build(scan=variant != "fused_unrolled")
+        pipeline = fusedpc.FusedPipeline(part, config.error_fn, mesh=setup.mesh)
+        if variant == "fused_run":
+            steps_per_call = args.k
+
+            def call(i):
+                pipeline.run(setup.run_ids, setup.run_targets, keep_outputs=False)
+                return pipeline.state, pipeline.last_metrics.loss
+
+        else:
+
+            def call(i):
+                y, e = pipeline.step(*setup.batch(i))
+                return y, e, pipeline.state
+
+    elif variant == "unfused":
+        config, part, _ = setup.build(scan=False)
+        pipeline = UnfusedPipeline(part, config.error_fn)
+
+        def call(i):
+            y, e = pipeline.step(*setup.batch(i))
+            return y, e, pipeline.state
+
+    elif variant == "backprop":
+        _, _, reference = setup.build(scan=True)
+        step = make_backprop_step(setup.optimiser)
+        holder = {"model": reference, "opt": None}
+        if setup.mesh is not None:
+            replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+            holder["model"] = jax.device_put(holder["model"], replicated)
+        holder["opt"] = setup.optimiser.init(eqx.filter(holder["model"], eqx.is_array))
+
+        def call(i):
+            model, opt, loss = step(holder["model"], holder["opt"], *setup.batch(i))
+            holder["model"], holder["opt"] = model, opt
+            return model, loss
+
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+
+    calls = args.steps if steps_per_call == 1 else max(math.ceil(args.steps / steps_per_call), 5)
+    timing = _time_calls(call, args.warmup, calls)
+    p25, median, p75 = (t / steps_per_call for t in _quartiles(timing["times"]))
+    flops = count_flops(
+        args.vocab, args.width, args.heads, blocks, args.ff_width, args.seq, args.batch
+    )
+    rss_after = _maxrss_mb()
+    tokens = args.batch * args.seq
+    row = {
+        "variant": variant,
+        "step_ms": median * 1e3,
+        "step_ms_p25": p25 * 1e3,
+        "step_ms_p75": p75 * 1e3,
+        "tokens_per_s": tokens / median,
+        "compile_s": timing["first"],
+        "first_call_s": timing["first"],
+        "compile_only_s": max(timing["first"] - median * steps_per_call, 0.0),
+        "peak_mb": rss_after,
+        "rss_growth_mb": rss_after - rss_before,
+        "device_peak_mb": _device_peak_mb(),
+        "gflops": flops / median / 1e9,
+        "flops_per_step": flops,
+        "timed_steps": calls * steps_per_call,
+        "steps_per_call": steps_per_call,
+        **_device_info(),
+        **_config(args, blocks),
+    }
+    return row
+
+
+def _memory_stats(compiled) -> dict[str, float] | None:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    fields = ("argument", "output", "alias", "temp")
+    out = {f"{f}_mb": getattr(stats, f"{f}_size_in_bytes") / 2**20 for f in fields}
+    peak = getattr(stats, "peak_memory_in_bytes", None)
+    if peak is None:  # arguments and outputs live together, less what the outputs alias
+        peak = sum(getattr(stats, f"{f}_size_in_bytes") for f in ("argument", "output", "temp"))
+        peak -= stats.alias_size_in_bytes
+    out["peak_mb"] = peak / 2**20
+    return out
+
+
+def _measure_donation(args: argparse.Namespace, blocks: int) -> dict[str, Any]:
+    """Compiled memory of the fused step with the state donated and without."""
+    import jax
+
+    import fusedpc
+
+    setup = _Setup(args, blocks)
+    config, part, _ = setup.build(scan=True)
+    pipeline = fusedpc.FusedPipeline(part, config.error_fn, mesh=setup.mesh)
+    ids, targets = setup.batch(0)
+    carry = (pipeline.state, pipeline._counters)
+    donated = pipeline._step_jit.lower(carry, ids, targets).compile()
+    kept = jax.jit(pipeline._step_program).lower(carry, ids, targets).compile()
+    with_donation, without = _memory_stats(donated), _memory_stats(kept)
+    state_mb = sum(
+        leaf.nbytes for leaf in jax.tree_util.tree_leaves(pipeline.state)
+        if hasattr(leaf, "nbytes")
+    ) / 2**20
+    row = {
+        "variant": "donation",
+        "state_mb": state_mb,
+        "donated": with_donation,
+        "not_donated": without,
+        "donated_peak_mb": None if with_donation is None else with_donation["peak_mb"],
+        "not_donated_peak_mb": None if without is None else without["peak_mb"],
+        **_device_info(),
+        **_config(args, blocks),
+    }
+    return row
+
+
+def _measure_peak(args: argparse.Namespace) -> dict[str, Any]:
+    """The best float32 matmul rate over `--peak-sizes` (median of several repetitions)."""
+    import jax
+    import jax.numpy as jnp
+
+    results = {}
+    for n in args.peak_sizes:
+        a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+        b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+        matmul = jax.jit(jnp.matmul)
+        jax.block_until_ready(matmul(a, b))
+        reps = max(3, min(20, int(2e10 / (2 * n**3))))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(matmul(a, b))
+            times.append(time.perf_counter() - t0)
+        results[str(n)] = 2 * n**3 / statistics.median(times) / 1e9
+    best = max(results, key=results.get)
+    return {
+        "variant": "peak",
+        "peak_gflops": results[best],
+        "peak_size": int(best),
+        "by_size_gflops": results,
+        **_device_info(),
+    }
+
+
+def run_task(args: argparse.Namespace, task: str, blocks: int) -> dict[str, Any]:
+    """One measurement in this process: a variant, `peak` or `donation`."""
+    if task == "peak":
+        return _measure_peak(args)
+    if task == "donation":
+        return _measure_donation(args, blocks)
+    return _measure_variant(args, task, blocks)
+
+
+# --------------------------------------------------------------------------- orchestration
+def _worker_argv(args: argparse.Namespace, task: str, blocks: int) -> list[str]:
+    argv = [
+        "--vocab", str(args.vocab), "--width", str(args.width), "--heads", str(args.heads),
+        "--blocks", str(blocks), "--ff-width", str(args.ff_width), "--seq", str(args.seq),
+        "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--learning", args.learning, "--k", str(args.k), "--optimiser", args.optimiser,
+        "--lr", repr(args.lr), "--devices", str(args.devices), "--seed", str(args.seed),
+        "--peak-sizes", ",".join(str(n) for n in args.peak_sizes), "--worker", task,
+    ]
+    return argv
+
+
+def _in_subprocess(args: argparse.Namespace, task: str, blocks: int) -> dict[str, Any]:
+    command = [sys.executable, "-m", "fusedpc.bench", *_worker_argv(args, task, blocks)]
+    done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
+    rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not rows:
+        raise RuntimeError(
+            f"bench worker for {task!r} (blocks={blocks}) failed with exit code "
+            f"{done.returncode}:\n{done.stderr[-4000:]}"
+        )
+    return json.loads(rows[-1])
+
+
+def _set_device_flags(n: int) -> None:
+    if n <= 1:
+        return
+    flag = f"--xla_force_host_platform_device_count={n}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    parts = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join([*parts, flag])
+
+
+def _emit(row: dict[str, Any]) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def _compare_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    by_variant = {r["variant"]: r for r in rows if "step_ms" in r}
+    if not by_variant:
+        return None
+    base = by_variant.get("backprop")
+    ratios = {}
+    for name, r in by_variant.items():
+        ratios[name] = None if base is None else r["step_ms"] / base["step_ms"]
+    out: dict[str, Any] = {"variant": "compare", "ratio_to_backprop": ratios}
+    if "unfused" in by_variant and "fused" in by_variant:
+        out["unfused_over_fused"] = by_variant["unfused"]["step_ms"] / by_variant["fused"]["step_ms"]
+    if "fused_run" in by_variant and "fused" in by_variant:
+        out["fused_over_fused_run"] = (
+            by_variant["fused"]["step_ms"] / by_variant["fused_run"]["step_ms"]
+        )
+    return out
+
+
+def _sweep_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    out: dict[str, Any] = {"variant": "sweep_summary"}
+    for variant in SWEEP_VARIANTS:
+        mine = sorted((r for r in rows if r.get("variant") == variant), key=lambda r: r["blocks"])
+        if len(mine) < 2:
+            continue
+        lo, hi = mine[0], mine[-1]
+        out[variant] = {
+            "blocks": [lo["blocks"], hi["blocks"]],
+            "compile_ratio": hi["compile_s"] / lo["compile_s"],
+            "compile_only_ratio": hi["compile_only_s"] / max(lo["compile_only_s"], 1e-9),
+            "step_ratio": hi["step_ms"] / lo["step_ms"],
+        }
+    return out if len(out) > 1 else None
+
+
+def _table(rows: list[dict[str, Any]], compare: dict[str, Any] | None) -> str:
+    ratios = (compare or {}).get("ratio_to_backprop", {})
+    head = (
+        f"{'variant':<15}{'blocks':>7}{'step ms':>10}{'tokens/s':>11}{'compile s':>11}"
+        f"{'peak MB':>9}{'GFLOP/s':>9}{'ratio':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "step_ms" not in r:
+            continue
+        ratio = ratios.get(r["variant"]) if r["variant"] in VARIANTS else None
+        lines.append(
+            f"{r['variant']:<15}{r['blocks']:>7}{r['step_ms']:>10.2f}{r['tokens_per_s']:>11.0f}"
+            f"{r['compile_s']:>11.2f}{r['peak_mb']:>9.0f}{r['gflops']:>9.2f}"
+            f"{'' if ratio is None else format(ratio, '.2f'):>7}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the flags, run the measurements, print one JSON object per line. Returns 0."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    _set_device_flags(args.devices)  # before jax starts (workers: a fresh process)
+
+    if args.worker is not None:
+        _emit(run_task(args, args.worker, args.blocks[0]))
+        return 0
+
+    sweep = len(args.blocks) > 1
+    tasks: list[tuple[str, int]] = []
+    if args.peak:
+        tasks.append(("peak", args.blocks[0]))
+    for blocks in args.blocks:
+        for variant in args.variants:
+            tasks.append((variant, blocks))
+    if not sweep and not args.no_donate_probe:
+        tasks.append(("donation", args.blocks[0]))
+
+    rows: list[dict[str, Any]] = []
+    peak = None
+    for task, blocks in tasks:
+        if args.in_process:
+            row = run_task(args, task, blocks)
+        else:
+            row = _in_subprocess(args, task, blocks)
+        if args.in_process and "rss_growth_mb" in row:
+            row["peak_mb"] = row["rss_growth_mb"]
+            row["peak_method"] = "rss_growth_in_process"
+        elif "peak_mb" in row:
+            row["peak_method"] = "rss_max_subprocess"
+        if task == "peak":
+            peak = row["peak_gflops"]
+        elif peak is not None and "gflops" in row:
+            row["peak_fraction"] = row["gflops"] / peak
+        rows.append(row)
+        _emit(row)
+
+    compare = _compare_row(rows) if args.compare else None
+    if compare is not None:
+        _emit(compare)
+    if sweep:
+        summary = _sweep_row(rows)
+        if summary is not None:
+            _emit(summary)
+    if args.compare or sweep:
+        print(_table(rows, compare), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
