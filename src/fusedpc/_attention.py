@@ -126,8 +126,8 @@ class MultiHeadAttention(AbstractPart):
 
     The state is an `AttentionState` with a field per slot; the metrics are the slots' metrics
     under their names in forward order (`named(wq=..., wk=..., wv=..., wo=...)`, fused
-    `named(wqkv=..., wo=...)`), so report rows read `...attention.wq`. Shapes and heads are checked at trace
-    time (before anything runs) with errors naming the part's path.
+    `named(wqkv=..., wo=...)`), so report rows read `...attention.wq`. Shapes and heads are
+    checked at trace time (before anything runs) with errors naming the part's path.
     """
 
     wq: AbstractPart | None

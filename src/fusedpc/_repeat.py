@@ -167,9 +167,6 @@ class Repeat(AbstractPart):
             raise ValueError(f"Repeat.from_factory: n must be an int >= 1, got {n!r}.")
         return cls([factory(k) for k in jax.random.split(key, n)], unroll=unroll)
 
-    def __len__(self) -> int:
-        return len(self.blocks)
-
     def init_state(self, key: jax.Array) -> RepeatState:
         keys = jax.random.split(key, len(self.blocks))
         states = [block.init_state(k) for block, k in zip(self.blocks, keys)]
