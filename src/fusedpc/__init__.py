@@ -4,6 +4,7 @@ from . import errors as errors
 from . import frozen as frozen
 from . import models as models
 from . import transplant as transplant
+from ._attention import AttentionState as AttentionState
 from ._attention import MultiHeadAttention as MultiHeadAttention
 from ._check import check_backward as check_backward
 from ._compose import Residual as Residual
@@ -38,6 +39,7 @@ from ._learning import LearningNetworkState as LearningNetworkState
 from ._learning import NetworkParams as NetworkParams
 from ._network import PCNetwork as PCNetwork
 from ._repeat import Repeat as Repeat
+from ._repeat import RepeatState as RepeatState
 
 __version__ = "0.1.0"
 from ._gpt_build import to_reference as to_reference
