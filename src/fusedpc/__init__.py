@@ -7,6 +7,10 @@ from . import transplant as transplant
 from ._attention import AttentionState as AttentionState
 from ._attention import MultiHeadAttention as MultiHeadAttention
 from ._check import check_backward as check_backward
+from ._checkpoint import CheckpointError as CheckpointError
+from ._checkpoint import load_checkpoint as load_checkpoint
+from ._checkpoint import read_checkpoint_manifest as read_checkpoint_manifest
+from ._checkpoint import save_checkpoint as save_checkpoint
 from ._compose import Residual as Residual
 from ._compose import ResidualState as ResidualState
 from ._compose import Sequential as Sequential
@@ -34,6 +38,7 @@ from ._gpt import TransformerBlock as TransformerBlock
 from ._gpt_build import GPTConfig as GPTConfig
 from ._gpt_build import build_gpt as build_gpt
 from ._gpt_build import hybrid_from_gpt as hybrid_from_gpt
+from ._gpt_build import to_reference as to_reference
 from ._learning import LearningNetwork as LearningNetwork
 from ._learning import LearningNetworkState as LearningNetworkState
 from ._learning import NetworkParams as NetworkParams
@@ -42,4 +47,3 @@ from ._repeat import Repeat as Repeat
 from ._repeat import RepeatState as RepeatState
 
 __version__ = "0.1.0"
-from ._gpt_build import to_reference as to_reference

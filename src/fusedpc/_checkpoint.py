@@ -25,7 +25,9 @@ import json
 import os
 import re
 import secrets
+import struct
 import zipfile
+import zlib
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
@@ -241,9 +243,29 @@ def _corrupted(path: str, detail: str) -> CheckpointError:
     )
 
 
-# Everything reading a damaged zip can raise once the file is open (a garbled offset can make a
-# seek fail with an OSError).
-_READ_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, OSError)
+# Everything reading a damaged zip can raise once the file is open: a garbled offset can make a
+# seek fail with an OSError, garbled flags ask for features this format never uses
+# (NotImplementedError, RuntimeError for "encrypted"), garbled numbers fail to unpack.
+_READ_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    EOFError,
+    ValueError,
+    OSError,
+    NotImplementedError,
+    RuntimeError,
+    struct.error,
+    zlib.error,
+)
+
+
+def _read_entry(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    """An entry's bytes (zipfile checks its CRC-32); only plain stored entries are accepted."""
+    if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
+        raise zipfile.BadZipFile(
+            f"entry {info.filename} is compressed or encrypted, which this format never writes"
+        )
+    return zf.read(info)
 
 
 def _check_manifest(path: str, manifest: Any) -> dict:
@@ -276,7 +298,7 @@ def _check_manifest(path: str, manifest: Any) -> dict:
 
 def _read_manifest(path: str, zf: zipfile.ZipFile) -> dict:
     try:
-        raw = zf.read(MANIFEST_ENTRY)
+        raw = _read_entry(zf, zf.getinfo(MANIFEST_ENTRY))
     except KeyError:
         raise _corrupted(path, f"no {MANIFEST_ENTRY} entry") from None
     except _READ_ERRORS as err:
@@ -316,7 +338,7 @@ def _read_leaf(zf: zipfile.ZipFile, path: str, record: dict) -> Any:
             path, f"{where} holds {info.file_size} bytes, the manifest says {record['nbytes']}"
         )
     try:
-        data = zf.read(info)
+        data = _read_entry(zf, info)
     except _READ_ERRORS as err:
         raise _corrupted(path, f"{where}: {err}") from None
     if len(data) != record["nbytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
@@ -371,9 +393,14 @@ def _treedef_difference(expected: str, stored: str) -> str:
     at = next((i for i, (a, b) in enumerate(zip(expected, stored)) if a != b), None)
     at = min(len(expected), len(stored)) if at is None else at
     lo = max(at - 60, 0)
+
+    def excerpt(text: str) -> str:
+        hi = min(at + 60, len(text))
+        return f"{'...' if lo else ''}{text[lo:hi]}{'...' if hi < len(text) else ''}"
+
     return (
         f"the leaves match but the tree structures differ from character {at}: this pipeline "
-        f"has ...{expected[lo : at + 60]}..., the checkpoint has ...{stored[lo : at + 60]}..."
+        f"has {excerpt(expected)}, the checkpoint has {excerpt(stored)}"
     )
 
 
