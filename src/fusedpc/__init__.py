@@ -45,5 +45,12 @@ from ._learning import NetworkParams as NetworkParams
 from ._network import PCNetwork as PCNetwork
 from ._repeat import Repeat as Repeat
 from ._repeat import RepeatState as RepeatState
+from ._sharding import data_mesh as data_mesh
+from ._sharding import emulate_cpu_devices as emulate_cpu_devices
+from ._sharding import initialize_distributed as initialize_distributed
+from ._sharding import make_global_batch as make_global_batch
+from ._sharding import process_batch_slice as process_batch_slice
+from ._sharding import shard_widest as shard_widest
+from ._sharding import state_shardings as state_shardings
 
 __version__ = "0.1.0"

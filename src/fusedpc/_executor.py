@@ -35,11 +35,15 @@ class Counters(eqx.Module):
 
 class StepMetrics(eqx.Module):
     """Everything one step reports: the loss (NaN without one), whether the step was
-    committed, and the parts' metrics tree (keyed like the state tree)."""
+    committed, the parts' metrics tree (keyed like the state tree) and `state_finite`, one
+    boolean per leaf of the step's new state (before the guard chose between new and old), so
+    that a non-finite value outside every part's update and input error (an optimiser's
+    moment estimate, say) can still be named."""
 
     loss: jax.Array
     committed: jax.Array
     parts: PyTree
+    state_finite: PyTree = None
 
 
 class NonFiniteStepError(FloatingPointError):
@@ -51,6 +55,36 @@ def copy_tree(tree: PyTree) -> PyTree:
     return jax.tree_util.tree_map(
         lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array | np.ndarray) else a, tree
     )
+
+
+def _leaf_finite(leaf: Any) -> jax.Array:
+    """Whether every entry of a leaf is finite (integer and key leaves always are)."""
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+        return jnp.all(jnp.isfinite(leaf))
+    return jnp.array(True)
+
+
+def _check_array(value: Any, name: str) -> None:
+    """Refuse non-arrays (lists, tuples, scalars) at the boundary with an error naming them."""
+    if not isinstance(value, jax.Array | np.ndarray):
+        raise TypeError(
+            f"{name}: expected an array (numpy or jax), got {type(value).__name__}; convert it "
+            f"with np.asarray({name})."
+        )
+
+
+def _check_non_empty(value: Any, name: str) -> None:
+    """Refuse a batch with no rows: rank 0, or any axis of length 0."""
+    shape = tuple(np.shape(value))
+    if not shape or 0 in shape:
+        raise ValueError(
+            f"{name}: expected a non-empty batch, got shape {shape}. Every axis (steps, rows, "
+            "sequence, features) must have length >= 1."
+        )
+
+
+# Error functions whose integer targets are class ids: one-hot rows of the output's width.
+_CLASS_ID_ERRORS = (_errors.softmax_cross_entropy, _errors.cross_entropy)
 
 
 def normalise_active(error: jax.Array) -> jax.Array:
@@ -134,7 +168,7 @@ class FusedPipeline:
         )
         self._last: StepMetrics | None = None
         self._pending: StepMetrics | None = None
-        self._checked: set = set()
+        self._checked: dict = {}  # batch signature -> output shape, checked once
         self.trace_counts = {"step": 0, "run": 0, "predict": 0}
         # With a mesh, pin the carry's shardings (the state leaves as placed) so that the
         # donated buffers come back in place; outputs and metrics are left to propagation.
@@ -177,7 +211,11 @@ class FusedPipeline:
             loss = jnp.full((), jnp.nan, jnp.float32)
         else:
             loss = self.error_fn.loss(y, target).astype(jnp.float32)
-        finite = all_finite((new_state, y, input_error))
+        # One flag per state leaf (kept in the metrics to name a bad leaf), then one for all.
+        state_finite = jax.tree_util.tree_map(_leaf_finite, new_state)
+        finite = jnp.stack(
+            [*jax.tree_util.tree_leaves(state_finite), all_finite((y, input_error))]
+        ).all()
         if self.nonfinite == "ignore":
             committed = jnp.array(True)
         else:
@@ -189,7 +227,9 @@ class FusedPipeline:
             steps=counters.steps + 1,
             skipped=counters.skipped + (~committed).astype(jnp.int32),
         )
-        metrics = StepMetrics(loss=loss, committed=committed, parts=part_metrics)
+        metrics = StepMetrics(
+            loss=loss, committed=committed, parts=part_metrics, state_finite=state_finite
+        )
         return (new_state, counters), y, input_error, metrics
 
     def _step_program(self, carry, x, target):
@@ -242,11 +282,29 @@ class FusedPipeline:
             x = jax.ShapeDtypeStruct(x.shape, x.dtype)
         self.tree.validate_input(x, "")
 
-    def _validate(self, x: Any, target: Any, batched: bool) -> None:
-        if jnp.ndim(x) == 0 or jnp.shape(x)[0] == 0 or (batched and jnp.shape(x)[1] == 0):
+    def _validate_target_ids(self, target: Any, width: int, name: str) -> None:
+        """Integer targets of a cross-entropy are class ids: they must lie in `[0, width)`.
+
+        Out-of-range ids would otherwise become all-zero one-hot rows without a word. Host
+        arrays are checked always, device arrays only with `check_device_ids` (as inputs)."""
+        if self.error_fn not in _CLASS_ID_ERRORS:
+            return
+        if not jnp.issubdtype(jnp.result_type(target), jnp.integer):
+            return
+        if isinstance(target, jax.Array) and not self.check_device_ids:
+            return
+        low, high = int(target.min()), int(target.max())
+        if low < 0 or high >= width:
             raise ValueError(
-                f"x: expected a non-empty batch, got shape {tuple(jnp.shape(x))}."
+                f"{name}: class ids must lie in [0, {width}) (the output's last axis, for "
+                f"error_fn {self.error_fn.name!r}), got {low if low < 0 else high}."
             )
+
+    def _validate(self, x: Any, target: Any, batched: bool) -> None:
+        x_name, t_name = ("xs", "targets") if batched else ("x", "target")
+        _check_array(x, x_name)
+        _check_array(target, t_name)
+        _check_non_empty(x, x_name)
         self._validate_values(x)
         signature = (
             batched,
@@ -262,10 +320,12 @@ class FusedPipeline:
                         f"run: xs and targets must have the same number of steps on axis 0, "
                         f"got {jnp.shape(x)[0]} and {jnp.shape(target)[0]}."
                     )
-                self.check(x[0], target[0])
+                out = self.check(x[0], target[0])
             else:
-                self.check(x, target)
-            self._checked.add(signature)
+                out = self.check(x, target)
+            self._checked[signature] = out
+        out = self._checked[signature]
+        self._validate_target_ids(target, out.shape[-1], t_name)
 
     # ------------------------------------------------------------------ public API
     def step(self, x: Any, target: Any) -> tuple[jax.Array, Any]:
@@ -304,8 +364,8 @@ class FusedPipeline:
 
     def predict(self, x: Any) -> jax.Array:
         """Forward only; never donates and leaves the state untouched."""
-        if jnp.ndim(x) == 0 or jnp.shape(x)[0] == 0:
-            raise ValueError(f"x: expected a non-empty batch, got shape {tuple(jnp.shape(x))}.")
+        _check_array(x, "x")
+        _check_non_empty(x, "x")
         self._validate_values(x)
         return self._predict_jit(self._state, self._place_batch(x))
 
@@ -390,14 +450,31 @@ class FusedPipeline:
         return jax.tree_util.tree_map(lambda a: a[index], metrics)
 
     def _first_nonfinite(self, metrics: StepMetrics, index: int = -1) -> str | None:
-        """The first part, in backward order, whose update or emitted error was non-finite."""
+        """The first part, in backward order, whose update or emitted error was non-finite.
+
+        When no part flagged its update or error (an optimiser's moment estimate overflowed,
+        say), the last non-finite state leaf in tree order, by its key path
+        (`"parts[0].opt_state[0].nu.weights[1]"`, which starts with the part's path); when no
+        leaf either, and the step was not committed, `"<root>"` (the tree's output or input
+        error)."""
         chosen = self._select_step(metrics, index)
         bad = [
             path
             for path, m in iter_metrics(chosen.parts)
             if not bool(np.asarray(m.finite))
         ]
-        return display_path(bad[-1]) if bad else None
+        if bad:
+            return display_path(bad[-1])
+        leaves = [
+            path
+            for path, ok in jax.tree_util.tree_leaves_with_path(chosen.state_finite)
+            if not bool(np.asarray(ok))
+        ]
+        if leaves:
+            return jax.tree_util.keystr(leaves[-1]).lstrip(".")
+        if not bool(np.asarray(chosen.committed)):
+            return display_path("")
+        return None
 
     def report(self, index: int = -1) -> list[dict[str, Any]]:
         """One row per learning part for the last step (the `index`-th inner step of `run`).

@@ -108,12 +108,11 @@ def check_batch_divides(size: int, mesh: Mesh, axis: int) -> None:
     """A clear error when a batch axis of `size` rows does not split evenly over `"data"`."""
     n = mesh.shape[DATA_AXIS]
     if size % n:
-        below, above = size - size % n, size + n - size % n
+        options = " or ".join(str(m) for m in sorted({size - size % n, size - size % n + n}) if m)
         raise ValueError(
             f"batch: the batch axis (axis {axis}, size {size}) must divide over the mesh's "
-            f"'data' axis of {n} devices; use a batch of {below or n} or {above} rows, e.g. by "
-            "padding with rows whose target gives a zero error (ignored by "
-            "error_normalisation='active')."
+            f"'data' axis of {n} devices; use a multiple of {n} rows (e.g. {options}). Padding "
+            "is yours to do, with rows whose error_fn gives a zero error (see docs/scaling.md)."
         )
 
 
@@ -181,6 +180,11 @@ def shard_widest(
 
 
 # --------------------------------------------------------------------------- multi-host
+ENV_COORDINATOR = "FUSEDPC_COORDINATOR"
+ENV_NUM_PROCESSES = "FUSEDPC_NUM_PROCESSES"
+ENV_PROCESS_ID = "FUSEDPC_PROCESS_ID"
+
+
 def initialize_distributed(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -189,17 +193,25 @@ def initialize_distributed(
 ) -> None:
     """Join a multi-process (multi-host) JAX run; call once per process before using devices.
 
-    With no arguments `jax.distributed.initialize` reads the cluster from the environment
-    (Slurm, Open MPI, TPU pods, ...). On one machine give them explicitly, e.g. process 0 of
-    2: `initialize_distributed("127.0.0.1:12345", 2, 0)`. CPU processes exchange their
-    reductions over gloo (JAX's default CPU collectives). Extra keyword arguments go to
-    `jax.distributed.initialize` (e.g. `local_device_ids`, `initialization_timeout`).
+    The three settings come from the arguments, else from the environment variables
+    `FUSEDPC_COORDINATOR` (`host:port` of process 0), `FUSEDPC_NUM_PROCESSES` and
+    `FUSEDPC_PROCESS_ID`, else from `jax.distributed.initialize`'s own cluster detection
+    (Slurm, Open MPI, Kubernetes, TPU pods; `JAX_COORDINATOR_ADDRESS`). Give all three or
+    none. A local launch of 2 processes on one machine: process `i` calls
+    `initialize_distributed("127.0.0.1:12345", 2, i)`. CPU processes exchange their
+    reductions over gloo. Extra keyword arguments go to `jax.distributed.initialize`
+    (`local_device_ids`, `initialization_timeout`, ...).
     """
+    if coordinator is None and num_processes is None and process_id is None:
+        coordinator = os.environ.get(ENV_COORDINATOR) or None
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+        process_id = _env_int(ENV_PROCESS_ID)
     given = [coordinator is None, num_processes is None, process_id is None]
     if any(given) and not all(given):
         raise ValueError(
             "initialize_distributed: give coordinator, num_processes and process_id together "
-            "(a local launch), or none of them (read from the cluster's environment); got "
+            f"(as arguments or as {ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}), or "
+            "none of them (read from the cluster's environment); got "
             f"coordinator={coordinator!r}, num_processes={num_processes!r}, "
             f"process_id={process_id!r}."
         )
@@ -211,6 +223,16 @@ def initialize_distributed(
         process_id=process_id,
         **kwargs,
     )
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {value!r}.") from None
 
 
 def process_batch_slice(
@@ -247,9 +269,13 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _backends_initialised() -> bool:
-    from jax._src import xla_bridge  # no public query exists; read-only use
+    """Whether JAX has started its backends (no public query exists; read-only use)."""
+    try:
+        from jax._src import xla_bridge
 
-    return bool(xla_bridge.backends_are_initialized())
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # a JAX without it: data_mesh reports a shortfall
+        return False
 
 
 def emulate_cpu_devices(n: int) -> None:
