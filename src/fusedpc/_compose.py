@@ -41,6 +41,10 @@ class Sequential(AbstractPart):
             check_part(part, f"Sequential.parts[{i}]")
         self.parts = parts
 
+    def validate_input(self, x, path: str) -> None:
+        """The chain's input is its first part's input."""
+        self.parts[0].validate_input(x, join_path(path, "parts[0]"))
+
     def init_state(self, key: jax.Array) -> SequentialState:
         keys = jax.random.split(key, len(self.parts))
         return SequentialState(tuple(p.init_state(k) for p, k in zip(self.parts, keys)))
@@ -87,6 +91,9 @@ class Residual(AbstractPart):
 
     def __init__(self, branch: AbstractPart):
         self.branch = check_part(branch, "Residual.branch")
+
+    def validate_input(self, x, path: str) -> None:
+        self.branch.validate_input(x, join_path(path, "branch"))
 
     def init_state(self, key: jax.Array) -> ResidualState:
         return ResidualState(self.branch.init_state(key))

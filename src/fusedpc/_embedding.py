@@ -161,7 +161,9 @@ def check_ids(ids: Any, vocab: int, path: str, what: str = "token ids") -> None:
     hands device arrays over as a `jax.ShapeDtypeStruct` (dtype checked, values not) unless
     it was built with `check_device_ids=True`, which costs a device-to-host read per step.
     """
-    dtype = np.result_type(ids) if not hasattr(ids, "dtype") else ids.dtype
+    if not hasattr(ids, "dtype"):  # lists and other host sequences
+        ids = np.asarray(ids)
+    dtype = ids.dtype
     if not np.issubdtype(dtype, np.integer):
         raise TypeError(
             f"{display_path(path)}: expected integer {what}, got dtype {dtype}; convert with "

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._activations import ACTIVATIONS, get_activation
 
@@ -131,7 +132,7 @@ class PCNetwork(eqx.Module):
         bias = tuple(bool(b) for b in bias)
         if len(bias) != n_mats:
             raise ValueError(f"PCNetwork: expected {n_mats} bias flags, got {len(bias)}.")
-        if head != "gaussian" and output_precision != 1.0:
+        if head != "gaussian" and np.any(np.asarray(output_precision) != 1.0):
             raise ValueError(
                 f"PCNetwork: output_precision applies to a gaussian head only (head={head!r} "
                 f"has unit precision), got {output_precision!r}."
