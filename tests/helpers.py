@@ -297,14 +297,16 @@ CONFORMANCE_CASES: dict[str, Case] = {
 # the vjp of the forward (a categorical or binary head takes its error at the logits, and
 # pi_out != 1 weights the loss).
 def _learning_network() -> fusedpc.AbstractPart:
-    network = fusedpc.PCNetwork([4, 6, 5, 3], ("tanh", "gelu"), hidden_precision=1e2,
-                                key=jax.random.key(40))
+    network = fusedpc.PCNetwork(
+        [4, 6, 5, 3], ("tanh", "gelu"), hidden_precision=1e2, key=jax.random.key(40)
+    )
     return fusedpc.LearningNetwork(network, optax.adam(1e-2))
 
 
 def _learning_network_synaptic() -> fusedpc.AbstractPart:
-    network = fusedpc.PCNetwork([4, 5, 3], "silu", input_activation="tanh", bias=(True, False),
-                                key=jax.random.key(41))
+    network = fusedpc.PCNetwork(
+        [4, 5, 3], "silu", input_activation="tanh", bias=(True, False), key=jax.random.key(41)
+    )
     return fusedpc.LearningNetwork(
         network, None, "synaptic_uncertainty", {"window": 4}, update_precisions=True
     )
@@ -319,8 +321,9 @@ CONFORMANCE_CASES.update(
             jnp.array([[0, 3, 10], [3, 3, 7]], jnp.int32),
         ),
         "learning_layer_norm": lambda: (
-            fusedpc.LearningLayerNorm(1.0 + 0.3 * normal(116, (5,)), 0.2 * normal(117, (5,)),
-                                      optax.sgd(0.1)),
+            fusedpc.LearningLayerNorm(
+                1.0 + 0.3 * normal(116, (5,)), 0.2 * normal(117, (5,)), optax.sgd(0.1)
+            ),
             normal(118, (2, 3, 5)),
         ),
     }

@@ -6,6 +6,9 @@ from . import models as models
 from . import transplant as transplant
 from ._attention import AttentionState as AttentionState
 from ._attention import MultiHeadAttention as MultiHeadAttention
+from ._calibrate import PartCalibration as PartCalibration
+from ._calibrate import calibrate as calibrate
+from ._calibrate import format_table as format_table
 from ._check import check_backward as check_backward
 from ._checkpoint import CheckpointError as CheckpointError
 from ._checkpoint import load_checkpoint as load_checkpoint
@@ -21,8 +24,13 @@ from ._core import FiniteFlag as FiniteFlag
 from ._core import Named as Named
 from ._core import PartMetrics as PartMetrics
 from ._core import Stacked as Stacked
+from ._core import display_path as display_path
+from ._core import expect_last_axis as expect_last_axis
+from ._core import expect_rank as expect_rank
+from ._core import join_path as join_path
 from ._core import learning_metrics as learning_metrics
 from ._core import named as named
+from ._core import replace_fields as replace_fields
 from ._embedding import EmbeddingState as EmbeddingState
 from ._embedding import LayerNormState as LayerNormState
 from ._embedding import LearningEmbedding as LearningEmbedding
@@ -52,5 +60,8 @@ from ._sharding import make_global_batch as make_global_batch
 from ._sharding import process_batch_slice as process_batch_slice
 from ._sharding import shard_widest as shard_widest
 from ._sharding import state_shardings as state_shardings
+from ._train import TrainConfig as TrainConfig
+from ._train import load_run as load_run
+from ._train import train as train
 
 __version__ = "0.1.0"

@@ -136,9 +136,14 @@ def expect_last_axis(path: str, x: Any, width: int, what: str = "input") -> None
     """Raise a `ValueError` naming the part when `x`'s last axis is not `width`."""
     shape = tuple(jnp.shape(x))
     if len(shape) < 1 or shape[-1] != width:
+        hint = (
+            f"The batch must have {width} features."
+            if not path
+            else f"The part before it (or the batch) must provide {width} features."
+        )
         raise ValueError(
             f"{display_path(path)}: expected {what} of shape (..., {width}), got shape {shape}. "
-            f"The part before it must produce {width} features."
+            + hint
         )
 
 

@@ -305,6 +305,14 @@ class FusedPipeline:
         _check_array(x, x_name)
         _check_array(target, t_name)
         _check_non_empty(x, x_name)
+        min_rank = 3 if batched else 2
+        if np.ndim(x) < min_rank:
+            layout = "(steps, rows, ...)" if batched else "(rows, ...)"
+            raise ValueError(
+                f"{x_name}: expected a batch of shape {layout} (rank >= {min_rank}: a row axis "
+                f"before the features), got shape {tuple(np.shape(x))}; add a leading axis "
+                f"with x[None] for a single row."
+            )
         self._validate_values(x)
         signature = (
             batched,
@@ -485,7 +493,7 @@ class FusedPipeline:
         """
         if self._last is None:
             return []
-        chosen = jax.device_get(self._select_step(self._last, index))
+        chosen = self._select_step(jax.device_get(self._last), index)
         rows = []
         for path, m in iter_metrics(chosen.parts):
             if not isinstance(m, PartMetrics):

@@ -39,13 +39,16 @@ def _figure(width: float = 8.0, height: float = 4.5):
 
 
 def _smooth(values: np.ndarray, window: int) -> np.ndarray:
-    """Trailing moving average (the first points average what there is)."""
-    if window <= 1 or len(values) == 0:
+    """Centred moving average over `window` points (fewer at the two ends), so the curve
+    does not lag behind the steps it is drawn at."""
+    n = len(values)
+    if window <= 1 or n == 0:
         return values
-    cumulative = np.cumsum(np.insert(values, 0, 0.0))
-    counts = np.minimum(np.arange(1, len(values) + 1), window)
-    starts = np.arange(1, len(values) + 1) - counts
-    return (cumulative[np.arange(1, len(values) + 1)] - cumulative[starts]) / counts
+    cumulative = np.concatenate([[0.0], np.cumsum(values)])
+    index = np.arange(n)
+    lo = np.maximum(index - window // 2, 0)
+    hi = np.minimum(index + window // 2 + 1, n)
+    return (cumulative[hi] - cumulative[lo]) / (hi - lo)
 
 
 def _finite(xs: Iterable[float]) -> bool:
@@ -60,9 +63,9 @@ def plot_loss(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
     ax = figure.add_subplot()
     if train:
         steps, losses = (np.asarray(v, np.float64) for v in zip(*train, strict=True))
-        ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8,
-                label="train (per step)")
         window = max(1, len(losses) // 50)
+        ax.plot(steps, losses, color="tab:blue", alpha=0.3 if window > 1 else 1.0,
+                linewidth=0.8, label="train (per step)")
         if window > 1:
             ax.plot(steps, _smooth(losses, window), color="tab:blue", linewidth=1.6,
                     label=f"train ({window}-step mean)")
@@ -76,6 +79,7 @@ def plot_loss(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
     ax.grid(True, alpha=0.3)
     if train or evals:
         ax.legend(loc="upper right")
+    figure.tight_layout()
     path = Path(path)
     figure.savefig(path)
     return path

@@ -39,10 +39,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+import jax
 import numpy as np
+import optax
+from jax.experimental.compilation_cache import compilation_cache
 
 from . import _plots, data
+from ._checkpoint import read_checkpoint_manifest
+from ._executor import FusedPipeline
+from ._generate import generate
+from ._gpt_build import GPTConfig, build_gpt
+from ._local_update import LEARNING_KINDS
 from ._progress import Progress, format_duration
+from ._sharding import data_mesh, initialize_distributed, make_global_batch
 
 CHECKPOINT_NAME = "checkpoint.fpc"
 LOG_NAME = "log.jsonl"
@@ -102,7 +111,7 @@ class TrainConfig:
     batch: int = 16
     steps_per_call: int = 10
     seed: int = 0
-    eval_every: int = 200
+    eval_every: int = 100
     eval_batches: int = 8
     report_every: int = 10
     save_every: int = 0
@@ -146,8 +155,6 @@ class TrainConfig:
             )
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
-        from ._local_update import LEARNING_KINDS
-
         if self.learning_kind not in LEARNING_KINDS:
             raise ValueError(
                 f"learning_kind must be one of {LEARNING_KINDS}, got {self.learning_kind!r}."
@@ -165,8 +172,6 @@ class TrainConfig:
         self.gpt_config(vocab_size=1).validate()  # learn slots, learning kind, head kind
 
     def gpt_config(self, vocab_size: int):
-        from ._gpt_build import GPTConfig
-
         return GPTConfig(
             vocab_size=vocab_size,
             width=self.width,
@@ -207,7 +212,10 @@ RESUMABLE = frozenset(
         "sample_tokens", "temperature", "devices",
     }
 )
-"""Settings a resumed run may change: none of them changes the batches or the updates."""
+"""Settings a resumed run may change: none changes the batches or the maths of the updates.
+The continuation is bit-identical when only `steps`, the evaluation, report, save and sample
+settings change; another `steps_per_call` or `devices` compiles other programs (a scan of
+another length, other cross-device reductions), which may round differently."""
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TYPES = {name: type(f.default) for name, f in _FIELDS.items()}
@@ -255,7 +263,7 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     section_of = {name: s for s, names in SECTIONS.items() for name in names}
     flat: dict[str, Any] = {}
     for section, table in raw.items():
-        if section in _FIELDS and section in section_of:
+        if not isinstance(table, dict) and section in section_of:
             raise ValueError(
                 f"config file {path!r}: key {section!r} must be inside the "
                 f"[{section_of[section]}] section."
@@ -350,8 +358,6 @@ def resume_config(run_dir: str | os.PathLike, overrides: dict[str, Any] | None =
 # --------------------------------------------------------------------------- pieces
 def make_optimiser(config: TrainConfig):
     """The optax optimiser named by `config.optimiser` at rate `config.lr`."""
-    import optax
-
     if config.optimiser == "adam":
         return optax.adam(config.lr)
     if config.optimiser == "adamw":
@@ -383,31 +389,13 @@ def load_tokens(config: TrainConfig, tokenizer: dict | None = None):
 
 def make_mesh(config: TrainConfig):
     """The data-parallel mesh for `config` (None for one device in one process)."""
-    import jax
-
-    from ._sharding import data_mesh
-
     if config.distributed:
-        return data_mesh()
-    if config.devices == 1:
-        return None
-    have = len(jax.devices())
-    if have < config.devices:
-        raise ValueError(
-            f"devices={config.devices} asked for {config.devices} devices, but JAX sees {have}; "
-            "on CPU, `fusedpc train --devices N` emulates them; from Python call "
-            "fusedpc._sharding.emulate_cpu_devices(N) before JAX starts."
-        )
-    return data_mesh(config.devices)
+        return data_mesh()  # every device of every process
+    return None if config.devices == 1 else data_mesh(config.devices)
 
 
 def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
     """The `FusedPipeline` of a run: `build_gpt` at `jax.random.key(config.seed)`."""
-    import jax
-
-    from ._executor import FusedPipeline
-    from ._gpt_build import build_gpt
-
     gpt = config.gpt_config(vocab_size)
     part, _ = build_gpt(gpt, make_optimiser(config), jax.random.key(config.seed))
     return FusedPipeline(part, gpt.error_fn, key=jax.random.key(config.seed), mesh=mesh)
@@ -417,13 +405,17 @@ def load_run(run_dir: str | os.PathLike):
     """`(pipeline, tokenizer, config, metadata)` of the run saved in `run_dir`."""
     config = resume_config(run_dir)
     path = os.path.join(os.fspath(run_dir), CHECKPOINT_NAME)
-    from ._checkpoint import read_checkpoint_manifest
-
     metadata = read_checkpoint_manifest(path)["metadata"]
     tok = data.tokenizer_from_dict(metadata["tokenizer"])
     pipeline = build_pipeline(config, tok.vocab_size)
     pipeline.load(path)
     return pipeline, tok, config, metadata
+
+
+def call_size(step: int, total: int, per_call: int) -> int:
+    """Steps in the next compiled call from `step`: up to the next multiple of `per_call`
+    (and not beyond `total`), so that a run resumed anywhere rejoins the same calls."""
+    return min(per_call - step % per_call, total - step)
 
 
 def cross_entropy(outputs: np.ndarray, targets: np.ndarray, probabilities: bool) -> float:
@@ -441,8 +433,6 @@ def cross_entropy(outputs: np.ndarray, targets: np.ndarray, probabilities: bool)
 
 def _host(x) -> np.ndarray:
     """A device array as NumPy, also when it spans processes (replicated or gathered)."""
-    import jax
-
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         if x.is_fully_replicated:
             return np.asarray(x.addressable_data(0))
@@ -488,6 +478,68 @@ class StopRequest:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
         return False
+
+
+def default_cache_dir() -> str:
+    """`$FUSEDPC_CACHE`, else `$XDG_CACHE_HOME/fusedpc/jax`, else `~/.cache/fusedpc/jax`."""
+    if os.environ.get("FUSEDPC_CACHE"):
+        return os.environ["FUSEDPC_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fusedpc", "jax")
+
+
+def enable_compile_cache(path: str | os.PathLike | None = None) -> str | None:
+    """Keep compiled programs on disk (JAX's persistent compilation cache) so that a later run
+    of the same model skips compiling (tens of seconds on a CPU). Returns the folder used.
+
+    `path=None` uses `default_cache_dir()`, unless JAX already has a cache folder configured
+    (e.g. `JAX_COMPILATION_CACHE_DIR`), which is then kept; `"none"` changes nothing. A folder
+    that cannot be created is skipped silently: the cache only saves time. Compiled programs
+    are the same with or without it, so results do not change.
+    """
+    if path is not None and os.fspath(path) == "none":
+        return None
+    if path is None and jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    folder = os.fspath(path) if path is not None else default_cache_dir()
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    compilation_cache.reset_cache()  # take the folder into use even if JAX compiled before
+    return folder
+
+
+PROCESS_VARIABLES = ("FUSEDPC_COORDINATOR", "FUSEDPC_NUM_PROCESSES", "FUSEDPC_PROCESS_ID")
+
+
+def join_processes() -> None:
+    """Join a multi-process run (`fusedpc.initialize_distributed`).
+
+    On a cluster (Slurm, Open MPI, TPU pods) JAX reads the processes from the environment.
+    Elsewhere, e.g. several processes on one machine, set all three of `FUSEDPC_COORDINATOR`
+    (`host:port` of process 0), `FUSEDPC_NUM_PROCESSES` and `FUSEDPC_PROCESS_ID`.
+    """
+    given = {name: os.environ.get(name) for name in PROCESS_VARIABLES}
+    if not any(given.values()):
+        initialize_distributed()
+        return
+    missing = [name for name, value in given.items() if not value]
+    if missing:
+        raise ValueError(
+            f"--distributed: set all of {', '.join(PROCESS_VARIABLES)} or none; "
+            f"{', '.join(missing)} missing."
+        )
+    try:
+        count, index = int(given["FUSEDPC_NUM_PROCESSES"]), int(given["FUSEDPC_PROCESS_ID"])
+    except ValueError:
+        raise ValueError(
+            "--distributed: FUSEDPC_NUM_PROCESSES and FUSEDPC_PROCESS_ID must be integers, got "
+            f"{given['FUSEDPC_NUM_PROCESSES']!r} and {given['FUSEDPC_PROCESS_ID']!r}."
+        ) from None
+    initialize_distributed(given["FUSEDPC_COORDINATOR"], count, index)
 
 
 def _in_step(pipeline, step: int) -> bool:
@@ -561,7 +613,8 @@ class TrainResult:
             ("train loss (last 10 steps)", f"{self.train_loss:.4f}"),
             ("validation loss", f"{self.val_loss:.4f}"),
             ("validation perplexity", f"{self.val_perplexity:.2f}"),
-            ("tokens/s (after compiling)", f"{self.tokens_per_s:,.0f}"),
+            ("tokens/s (after compiling)",
+             f"{self.tokens_per_s:,.0f}" if math.isfinite(self.tokens_per_s) else "-"),
             ("time (all sessions)", format_duration(self.elapsed_s)),
             ("first call (compiling)", f"{self.compile_s:.1f} s"),
             ("skipped steps (non-finite)", f"{self.skipped_steps}"),
@@ -575,6 +628,233 @@ def format_summary(result: TrainResult) -> str:
     rule = "-" * (width + 2 + max(len(v) for _, v in rows))
     body = [f"{label:<{width}}  {value}" for label, value in rows]
     return "\n".join([rule, *body, rule])
+
+
+class _Log:
+    """The run's records: kept in memory (for the plots and the summary) and, on the leading
+    process, appended to `log.jsonl` as they come."""
+
+    def __init__(self, path: Path, history: list[dict], write: bool):
+        self.records = list(history)
+        self._file = None
+        if write:
+            _write_lines(path, self.records)
+            self._file = open(path, "a", encoding="utf-8")
+
+    def emit(self, record: dict) -> None:
+        self.records.append(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class _Session:
+    """One `train` call: the pipeline, the data streams, the log and the clock."""
+
+    def __init__(self, config, out, resume_from, stream, interactive):
+        self.config = config
+        self.leader = jax.process_index() == 0
+        self.processes = jax.process_count()
+        self.out = Path(out if out is not None else resume_from or _default_out())
+        if resume_from is None and (self.out / CHECKPOINT_NAME).exists():
+            raise ValueError(
+                f"{str(self.out)!r} already holds a run ({CHECKPOINT_NAME}); continue it with "
+                f"--resume {self.out}, or choose another --out."
+            )
+        checkpoint = None if resume_from is None else Path(resume_from) / CHECKPOINT_NAME
+        metadata: dict[str, Any] = {}
+        if checkpoint is not None:
+            metadata = read_checkpoint_manifest(checkpoint)["metadata"]
+            if not isinstance(metadata, dict) or "tokenizer" not in metadata:
+                raise ValueError(f"{str(checkpoint)!r} was not written by fusedpc train.")
+        text, self.tokenizer, train_ids, self.val_ids = load_tokens(
+            config, metadata.get("tokenizer")
+        )
+        self.text_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        if metadata and metadata.get("text_sha256") != self.text_hash:
+            raise ValueError(
+                f"the text {config.text!r} differs from the one the run was trained on (its "
+                "SHA-256 changed); resume with the same text."
+            )
+        self.mesh = make_mesh(config)
+        self.pipeline = build_pipeline(config, self.tokenizer.vocab_size, self.mesh)
+        # Each process draws its own rows; batch k depends only on (seed, k).
+        self.batches = data.BatchIterator(
+            train_ids, config.batch, config.seq, seed=config.seed + jax.process_index()
+        )
+        self.step, self.elapsed_before = 0, 0.0
+        if checkpoint is not None:
+            self.pipeline.load(checkpoint)
+            self.step = int(metadata["step"])
+            self.elapsed_before = float(metadata.get("elapsed_s", 0.0))
+            self.batches.load_state_dict({**metadata["data"], "seed": self.batches.seed})
+            if self.batches.step != self.step:
+                raise ValueError(
+                    f"{str(checkpoint)!r}: its data position ({self.batches.step}) and step "
+                    f"({self.step}) disagree; the checkpoint was not written by fusedpc train."
+                )
+            if config.steps <= self.step:
+                raise ValueError(
+                    f"--steps {config.steps} is not beyond the checkpoint's step {self.step}; "
+                    "pass a larger --steps (the total to reach) to continue."
+                )
+        self.start_step = self.step
+        # Validation: the same batches at every evaluation, identical on every process.
+        val_iter = data.BatchIterator(
+            self.val_ids, config.batch * self.processes, config.seq, seed=config.seed
+        )
+        self.val_x, self.val_y = val_iter.next_batches(config.eval_batches)
+        self.tokens_per_step = config.batch * config.seq * self.processes
+
+        history = []
+        if self.leader:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
+            previous = None if resume_from is None else Path(resume_from) / LOG_NAME
+            if previous is not None and previous.exists():
+                history = [r for r in read_log(previous) if int(r.get("step", 0)) <= self.step]
+        self.log = _Log(self.out / LOG_NAME, history, write=self.leader)
+        self.progress = Progress(
+            config.steps, self.step, stream=stream if self.leader else io.StringIO(),
+            interactive=interactive,
+        )
+        self.began = time.perf_counter()
+        self.compile_s, self.steady_s, self.steady_tokens = 0.0, 0.0, 0
+        self.val_loss, self.val_step = float("nan"), -1
+        self.say(
+            f"fusedpc train: {config.blocks} blocks, width {config.width}, {config.heads} "
+            f"heads, vocabulary {self.tokenizer.vocab_size}, learning {config.learn!r}, "
+            f"{config.optimiser} lr {config.lr:g}; {len(train_ids):,} training tokens -> "
+            f"{self.out}"
+        )
+        if resume_from is not None:
+            self.say(f"resuming from step {self.step} of {resume_from}")
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.began
+
+    def say(self, text: str) -> None:
+        if self.leader:
+            self.progress.message(text)
+
+    def evaluate(self) -> None:
+        probabilities = self.config.head_kind == "categorical"
+        loss = evaluate(self.pipeline, self.val_x, self.val_y, probabilities)
+        self.val_loss, self.val_step = loss, self.step
+        perplexity = float(np.exp(loss))
+        self.log.emit({"kind": "eval", "step": self.step, "val_loss": loss,
+                       "val_perplexity": perplexity})
+        self.say(f"step {self.step}: validation loss {loss:.4f}, perplexity {perplexity:.2f}")
+
+    def save(self) -> None:
+        metadata = {
+            "config": dataclasses.asdict(self.config),
+            "tokenizer": self.tokenizer.to_dict(),
+            "data": self.batches.state_dict(),
+            "step": self.step,
+            "elapsed_s": self.elapsed(),
+            "text_sha256": self.text_hash,
+        }
+        if self.leader:
+            self.pipeline.save(self.out / CHECKPOINT_NAME, metadata)
+        self.log.flush()
+
+    def call(self) -> float:
+        """One compiled call of `run` (up to the next multiple of `steps_per_call`) and its
+        records; returns the last step's loss."""
+        config = self.config
+        k = call_size(self.step, config.steps, config.steps_per_call)
+        xs, ys = self.batches.next_batches(k)
+        if self.processes > 1:
+            xs, ys = make_global_batch(xs, self.mesh, 1), make_global_batch(ys, self.mesh, 1)
+        t0 = time.perf_counter()
+        _, _, metrics = self.pipeline.run(xs, ys, keep_outputs=False)
+        losses, committed = _host(metrics.loss), _host(metrics.committed)
+        dt = time.perf_counter() - t0
+        if self.step == self.start_step:
+            self.compile_s = dt
+        else:
+            self.steady_s += dt
+            self.steady_tokens += k * self.tokens_per_step
+        now = self.elapsed()
+        for i in range(k):
+            step = self.step + i + 1
+            self.log.emit({"kind": "train", "step": step, "loss": float(losses[i]),
+                           "time": now - dt * (k - 1 - i) / k,
+                           "tokens_per_s": k * self.tokens_per_step / dt,
+                           "committed": bool(committed[i])})
+            if step % config.report_every == 0:
+                for row in self.pipeline.report(index=i):
+                    self.log.emit({"kind": "report", "step": step, **row})
+        self.step += k
+        self.progress.update(self.step, float(losses[-1]), k * self.tokens_per_step)
+        if _crossed(config.eval_every, self.step - k, self.step):
+            self.evaluate()
+        if _crossed(config.save_every, self.step - k, self.step):
+            self.save()
+        return float(losses[-1])
+
+    def sample(self) -> str:
+        prompt = self.val_ids[: max(1, min(16, self.config.seq // 2))]
+        key = jax.random.fold_in(jax.random.key(self.config.seed), self.step)
+        ids = generate(self.pipeline, prompt[None], self.config.sample_tokens,
+                       self.config.temperature, key)
+        return self.tokenizer.decode(np.asarray(ids)[0])
+
+    def finish(self, interrupted: bool) -> TrainResult:
+        """The last evaluation, the checkpoint, the sample, the summary and the plots."""
+        if interrupted:
+            self.say(f"interrupted at step {self.step}: saving the checkpoint and the files")
+        if self.val_step != self.step:
+            self.evaluate()
+        self.save()
+        self.progress.close()
+        sample = ""
+        if not interrupted and self.config.sample_tokens > 0 and self.processes == 1:
+            sample = self.sample()
+        losses = [r["loss"] for r in self.log.records if r.get("kind") == "train"]
+        tail = [x for x in losses[-10:] if math.isfinite(x)]
+        result = TrainResult(
+            out=self.out,
+            config=self.config,
+            step=self.step,
+            train_loss=float(np.mean(tail)) if tail else float("nan"),
+            val_loss=self.val_loss,
+            val_perplexity=float(np.exp(self.val_loss)),
+            tokens_per_s=self.steady_tokens / self.steady_s if self.steady_s else float("nan"),
+            elapsed_s=self.elapsed(),
+            compile_s=self.compile_s,
+            skipped_steps=self.pipeline.skipped_steps,
+            interrupted=interrupted,
+            sample=sample,
+            pipeline=self.pipeline,
+            tokenizer=self.tokenizer,
+            files=[],
+        )
+        self.log.emit({"kind": "summary", "step": self.step, "train_loss": result.train_loss,
+                       "val_loss": result.val_loss, "val_perplexity": result.val_perplexity,
+                       "tokens_per_s": result.tokens_per_s, "elapsed_s": result.elapsed_s,
+                       "compile_s": result.compile_s, "skipped_steps": result.skipped_steps,
+                       "interrupted": interrupted})
+        self.log.close()
+        if self.leader:
+            result.files = [self.out / CONFIG_NAME, self.out / LOG_NAME,
+                            self.out / CHECKPOINT_NAME,
+                            *_plots.render_all(self.log.records, self.out)]
+        return result
+
+
+def _crossed(every: int, before: int, after: int) -> bool:
+    """Whether a multiple of `every` (> 0) lies in `(before, after]`."""
+    return every > 0 and after // every > before // every
 
 
 def train(
@@ -597,231 +877,31 @@ def train(
         callback: called after every compiled call with `(step, last loss)`; returning True
             stops the run as Ctrl-C would (checkpoint and files written).
 
-    Ctrl-C (or a `KeyboardInterrupt` from `callback`) stops after the current call, saves
-    the checkpoint and writes every file; `TrainResult.interrupted` is then True.
+    The first Ctrl-C (or a `KeyboardInterrupt` raised by `callback`) stops after the current
+    call, then saves the checkpoint and writes every file; `TrainResult.interrupted` is then
+    True. A second Ctrl-C aborts at once without saving (the last checkpoint stays intact).
     """
-    import sys
-
-    import jax
-
     config.validate()
-    stream = sys.stderr if stream is None else stream
     if config.distributed:
-        from ._sharding import initialize_distributed
-
-        initialize_distributed()
-    leader = jax.process_index() == 0
-    if out is None:
-        out = resume_from if resume_from is not None else _default_out()
-    out = Path(out)
-    if resume_from is None and (out / CHECKPOINT_NAME).exists():
-        raise ValueError(
-            f"{str(out)!r} already holds a run ({CHECKPOINT_NAME}); continue it with "
-            f"--resume {out}, or choose another --out."
-        )
-    checkpoint_in = None if resume_from is None else Path(resume_from) / CHECKPOINT_NAME
-    metadata: dict[str, Any] = {}
-    if checkpoint_in is not None:
-        from ._checkpoint import read_checkpoint_manifest
-
-        metadata = read_checkpoint_manifest(checkpoint_in)["metadata"]
-        if not isinstance(metadata, dict) or "tokenizer" not in metadata:
-            raise ValueError(f"{str(checkpoint_in)!r} was not written by fusedpc train.")
-
-    text, tok, train_ids, val_ids = load_tokens(config, metadata.get("tokenizer"))
-    text_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    if metadata and metadata.get("text_sha256") != text_hash:
-        raise ValueError(
-            f"the text {config.text!r} differs from the one the run was trained on (its "
-            "SHA-256 changed); resume with the same text."
-        )
-    mesh = make_mesh(config)
-    pipeline = build_pipeline(config, tok.vocab_size, mesh)
-    n_processes = jax.process_count()
-    batches = data.BatchIterator(
-        train_ids, config.batch, config.seq, seed=config.seed + jax.process_index()
+        join_processes()
+    session = _Session(config, out, resume_from, stream, interactive)
+    if session.step == 0:
+        session.evaluate()  # the untrained model: the first point of the validation curve
+    stop = StopRequest(
+        lambda: session.say("stopping after this call (Ctrl-C again to abort at once)")
     )
-    start_step, elapsed_before = 0, 0.0
-    if checkpoint_in is not None:
-        pipeline.load(checkpoint_in)
-        start_step = int(metadata["step"])
-        elapsed_before = float(metadata.get("elapsed_s", 0.0))
-        batches.load_state_dict({**metadata["data"], "seed": batches.seed})
-        if batches.step != start_step:
-            raise ValueError(
-                f"{str(checkpoint_in)!r}: its data position ({batches.step}) and step "
-                f"({start_step}) disagree; the checkpoint was not written by fusedpc train."
-            )
-        if config.steps <= start_step:
-            raise ValueError(
-                f"--steps {config.steps} is not beyond the checkpoint's step {start_step}; "
-                f"pass a larger --steps (the total to reach) to continue."
-            )
-
-    # Validation batches: the same ones at every evaluation, identical on every process.
-    val_iter = data.BatchIterator(val_ids, config.batch * n_processes, config.seq, seed=config.seed)
-    val_x, val_y = val_iter.next_batches(config.eval_batches)
-    probabilities = config.head_kind == "categorical"
-
-    log_path, records = out / LOG_NAME, []
-    if leader:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
-        if checkpoint_in is not None:
-            previous = Path(resume_from) / LOG_NAME
-            if previous.exists():
-                records = [
-                    r for r in read_log(previous) if int(r.get("step", 0)) <= start_step
-                ]
-        _write_lines(log_path, records)
-    log = open(log_path, "a", encoding="utf-8") if leader else None  # noqa: SIM115
-
-    def emit(record: dict) -> None:
-        records.append(record)
-        if log is not None:
-            log.write(json.dumps(record) + "\n")
-
-    progress = Progress(
-        config.steps, start_step, stream=stream if leader else io.StringIO(),
-        interactive=interactive,
-    )
-
-    def say(text: str) -> None:
-        if leader:
-            progress.message(text)
-
-    def run_eval(step: int) -> float:
-        loss = evaluate(pipeline, val_x, val_y, probabilities)
-        emit({"kind": "eval", "step": step, "val_loss": loss,
-              "val_perplexity": float(np.exp(loss))})
-        say(f"step {step}: validation loss {loss:.4f}, perplexity {np.exp(loss):.2f}")
-        return loss
-
-    def save(step: int, elapsed: float) -> None:
-        meta = {
-            "config": dataclasses.asdict(config),
-            "tokenizer": tok.to_dict(),
-            "data": batches.state_dict(),
-            "step": step,
-            "elapsed_s": elapsed,
-            "text_sha256": text_hash,
-        }
-        if leader:
-            pipeline.save(out / CHECKPOINT_NAME, meta)
-        if log is not None:
-            log.flush()
-
-    say(
-        f"fusedpc train: {config.blocks} blocks, width {config.width}, {config.heads} heads, "
-        f"vocabulary {tok.vocab_size}, learning {config.learn!r}, {config.optimiser} "
-        f"lr {config.lr:g}; {len(train_ids):,} training tokens -> {out}"
-    )
-    if start_step > 0:
-        say(f"resuming from step {start_step} of {resume_from}")
-
-    step = start_step
-    last_eval = run_eval(step) if start_step == 0 else None
-    last_eval_step = step if start_step == 0 else -1
-    tokens_per_step = config.batch * config.seq * n_processes
-    began = time.perf_counter()
-    compile_s, steady_time, steady_tokens = 0.0, 0.0, 0
-
-    def crossed(every: int, before: int, after: int) -> bool:
-        return every > 0 and after // every > before // every
-
-    stop = StopRequest(lambda: say("stopping after this call (Ctrl-C again to abort at once)"))
     try:
         with stop:
-            while step < config.steps and not stop.requested:
-                # Calls end at multiples of K, so resuming anywhere rejoins the same chunks.
-                k = min(config.steps_per_call - step % config.steps_per_call, config.steps - step)
-                xs, ys = batches.next_batches(k)
-                if n_processes > 1:
-                    from ._sharding import make_global_batch
-
-                    xs, ys = make_global_batch(xs, mesh, 1), make_global_batch(ys, mesh, 1)
-                t0 = time.perf_counter()
-                _, _, metrics = pipeline.run(xs, ys, keep_outputs=False)
-                losses, committed = _host(metrics.loss), _host(metrics.committed)
-                dt = time.perf_counter() - t0
-                if step == start_step:
-                    compile_s = dt
-                else:
-                    steady_time += dt
-                    steady_tokens += k * tokens_per_step
-                now = elapsed_before + time.perf_counter() - began
-                for i in range(k):
-                    s = step + i + 1
-                    emit({"kind": "train", "step": s, "loss": float(losses[i]),
-                          "time": now - dt * (k - 1 - i) / k,
-                          "tokens_per_s": k * tokens_per_step / dt,
-                          "committed": bool(committed[i])})
-                    if s % config.report_every == 0:
-                        for row in pipeline.report(index=i):
-                            emit({"kind": "report", "step": s, **row})
-                step += k
-                progress.update(step, float(losses[-1]), k * tokens_per_step)
-                if crossed(config.eval_every, step - k, step):
-                    last_eval, last_eval_step = run_eval(step), step
-                if crossed(config.save_every, step - k, step):
-                    save(step, elapsed_before + time.perf_counter() - began)
-                if callback is not None and callback(step, float(losses[-1])):
+            while session.step < config.steps and not stop.requested:
+                loss = session.call()
+                if callback is not None and callback(session.step, loss):
                     stop.requested = True
     except KeyboardInterrupt:
-        # A second Ctrl-C aborts without saving (the last checkpoint stays intact); so does
-        # an interrupt that left the pipeline and the log out of step.
-        if stop.aborted or not _in_step(pipeline, step):
-            progress.close()
+        # Saving needs the pipeline and the log at the same step: an interrupt inside a
+        # call (a second Ctrl-C) aborts without saving.
+        if stop.aborted or not _in_step(session.pipeline, session.step):
+            session.progress.close()
+            session.log.close()
             raise
         stop.requested = True
-    interrupted = stop.requested
-    if interrupted:
-        say(f"interrupted at step {step}: saving the checkpoint and writing the files")
-    elapsed = elapsed_before + time.perf_counter() - began
-    if last_eval_step != step:
-        last_eval = run_eval(step)
-    save(step, elapsed)
-    progress.close()
-
-    sample = ""
-    if not interrupted and config.sample_tokens > 0 and n_processes == 1:
-        from ._generate import generate
-
-        prompt = val_ids[: max(1, min(16, config.seq // 2))]
-        ids = generate(
-            pipeline, prompt[None], config.sample_tokens, config.temperature,
-            jax.random.fold_in(jax.random.key(config.seed), step),
-        )
-        sample = tok.decode(np.asarray(ids)[0])
-
-    train_losses = [r["loss"] for r in records if r.get("kind") == "train"]
-    tail = [x for x in train_losses[-10:] if math.isfinite(x)]
-    result = TrainResult(
-        out=out,
-        config=config,
-        step=step,
-        train_loss=float(np.mean(tail)) if tail else float("nan"),
-        val_loss=float(last_eval),
-        val_perplexity=float(np.exp(last_eval)),
-        tokens_per_s=steady_tokens / steady_time if steady_time > 0 else float("nan"),
-        elapsed_s=elapsed,
-        compile_s=compile_s,
-        skipped_steps=pipeline.skipped_steps,
-        interrupted=interrupted,
-        sample=sample,
-        pipeline=pipeline,
-        tokenizer=tok,
-        files=[],
-    )
-    emit({"kind": "summary", "step": step, "train_loss": result.train_loss,
-          "val_loss": result.val_loss, "val_perplexity": result.val_perplexity,
-          "tokens_per_s": result.tokens_per_s, "elapsed_s": elapsed,
-          "compile_s": compile_s, "skipped_steps": result.skipped_steps,
-          "interrupted": interrupted})
-    if log is not None:
-        log.close()
-        result.files = [
-            out / CONFIG_NAME, log_path, out / CHECKPOINT_NAME,
-            *_plots.render_all(records, out),
-        ]
-    return result
+    return session.finish(interrupted=stop.requested)

@@ -124,6 +124,8 @@ class UnfusedPipeline:
     Args:
         tree: the root part; wrapped with `unfused` unless it is already.
         error_fn, error_normalisation, key: as for `FusedPipeline`.
+        mesh: as for `FusedPipeline`: the state is replicated over it and each batch's leading
+            axis sharded over its `"data"` axis.
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class UnfusedPipeline:
         error_normalisation: str = "active",
         *,
         key: jax.Array | None = None,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         check_part(tree, "UnfusedPipeline(tree)")
         if error_normalisation not in NORMALISATIONS:
@@ -145,7 +148,11 @@ class UnfusedPipeline:
         self.error_normalisation = error_normalisation
         self._core = self.tree.compile("")
         key = jax.random.key(0) if key is None else key
+        self.mesh = mesh
         self._state = copy_tree(self.tree.init_state(key))
+        if mesh is not None:
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._state = jax.device_put(self._state, replicated)
         self._head = jax.jit(self._error_and_loss)
         self._loss: jax.Array | None = None
         self._metrics: PyTree = None
@@ -160,9 +167,17 @@ class UnfusedPipeline:
             loss = self.error_fn.loss(y, target).astype(jnp.float32)
         return error, loss
 
+    def _place(self, x: Any) -> Any:
+        if self.mesh is None:
+            return x
+        x = jnp.asarray(x)
+        spec = jax.sharding.PartitionSpec("data", *([None] * (x.ndim - 1)))
+        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
+
     def step(self, x: Any, target: Any) -> tuple[jax.Array, Any]:
         """One training step dispatched part by part. Returns `(output, input_error)`."""
         self.tree.validate_input(x, "")
+        x, target = self._place(x), self._place(target)
         y, cache = self._core.forward(self._state, x)
         error, self._loss = self._head(y, target)
         input_error, self._state, self._metrics = self._core.backward(self._state, cache, error)

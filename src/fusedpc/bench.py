@@ -7,7 +7,9 @@ Variants (each measured on the same config, weights and batches):
 * `unfused`: the same tree with one jit per leaf part, the composites walked in Python
   (`fusedpc._unfused`), so errors pass between parts through the host dispatch loop;
 * `backprop`: the reference equinox GPT trained by `jax.value_and_grad` and the same optax
-  optimiser, state donated (`fusedpc.models.make_backprop_step`).
+  optimiser, state donated (`fusedpc.models.make_backprop_step`);
+* `fused_unrolled`, `fused_run_unrolled`: `fused` and `fused_run` with the blocks unrolled
+  (`GPTConfig(scan=False)`) instead of scanned (the default of `build_gpt`).
 
 `--blocks 1,2,4,8,16` runs a depth sweep instead: `fused_scan` (blocks in a `Repeat`, one
 scanned block) and `fused_unrolled` (blocks unrolled in Python) at each depth. `--peak` adds
@@ -25,9 +27,13 @@ Timing: the first call (tracing, compiling, one execution) is `first_call_s`; `c
 is the same figure (the time a user waits before the first step returns) and
 `compile_only_s` subtracts one steady step. Then `--warmup` untimed calls, then `--steps`
 timed calls, each ended by `jax.block_until_ready` on the outputs and the new state;
-`step_ms` is the median (`step_ms_p25`/`p75` the quartiles). `gflops` divides the analytic
+`step_ms` is the median (`step_ms_p25`/`p75` the quartiles) and `step_cpu_ms` the median
+process CPU time (every thread; on a machine shared with other jobs the steadier figure),
+with `sys_fraction` the share of it spent in the kernel and `page_faults_per_call` the minor
+page faults per call (fresh temporary buffers being mapped). `gflops` divides the analytic
 FLOP count of one backprop step (`fusedpc.models.count_flops`: matrix products only) by the
-median step time.
+median step time, `gflops_cpu` by the median CPU time (FLOPs per core-second); with `--peak`,
+`peak_fraction` and `peak_fraction_cpu` divide them by the matmul probe's figures.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import time
 from typing import Any
 
 VARIANTS = ("fused", "fused_run", "unfused", "backprop")
+UNROLLED_VARIANTS = ("fused_unrolled", "fused_run_unrolled")
 SWEEP_VARIANTS = ("fused_scan", "fused_unrolled")
 PROBES = ("peak", "donation")
 OPTIMISERS = ("adam", "adamw", "sgd")
@@ -64,7 +71,7 @@ def _int_list(text: str) -> list[int]:
 
 def _variant_list(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
-    allowed = VARIANTS + SWEEP_VARIANTS
+    allowed = VARIANTS + UNROLLED_VARIANTS + SWEEP_VARIANTS[:1]
     unknown = [v for v in values if v not in allowed]
     if unknown or not values:
         raise argparse.ArgumentTypeError(
@@ -101,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument(
         "--variants", type=_variant_list, default=None,
-        help="comma-separated subset of fused,fused_run,unfused,backprop (default: all four; "
-        "with a depth sweep fused_scan,fused_unrolled)",
+        help="comma-separated variants: fused,fused_run,unfused,backprop (the default), "
+        "fused_unrolled,fused_run_unrolled (blocks unrolled instead of scanned), fused_scan "
+        "(= fused; the sweep's default is fused_scan,fused_unrolled)",
     )
     p.add_argument("--compare", action="store_true", help="add ratios to backprop at the end")
     p.add_argument("--peak", action="store_true", help="run the matmul peak probe first")
@@ -262,20 +270,33 @@ class _Setup:
 
 
 def _time_calls(call, warmup: int, steps: int) -> dict[str, Any]:
-    """Time `call()` (which blocks until its results are ready): first call, warm-up, steps."""
+    """Time `call(i)` (blocking on its results): the first call, `warmup` untimed calls, then
+    `steps` timed calls. Wall-clock and process CPU time (all threads) are both recorded: on a
+    shared machine the CPU time is the steadier figure."""
     import jax
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(call(0))
-    first = time.perf_counter() - t0
+    first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
     for i in range(warmup):
         jax.block_until_ready(call(1 + i))
-    times = []
+    times, cpu = [], []
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
     for i in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         jax.block_until_ready(call(1 + warmup + i))
         times.append(time.perf_counter() - t0)
-    return {"first": first, "times": times}
+        cpu.append(time.process_time() - c0)
+    usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    user, system = usage1.ru_utime - usage0.ru_utime, usage1.ru_stime - usage0.ru_stime
+    return {
+        "first": first,
+        "first_cpu": first_cpu,
+        "times": times,
+        "cpu": cpu,
+        "sys_fraction": system / max(user + system, 1e-12),
+        "page_faults": (usage1.ru_minflt - usage0.ru_minflt) / steps,
+    }
 
 
 def _quartiles(times: list[float]) -> tuple[float, float, float]:
@@ -298,10 +319,10 @@ def _measure_variant(args: argparse.Namespace, variant: str, blocks: int) -> dic
     setup = _Setup(args, blocks)
     steps_per_call = 1
 
-    if variant in ("fused", "fused_scan", "fused_unrolled", "fused_run"):
-        config, part, _ = setup.build(scan=variant != "fused_unrolled")
+    if variant in ("fused", "fused_scan", "fused_run", *UNROLLED_VARIANTS):
+        config, part, _ = setup.build(scan=variant not in UNROLLED_VARIANTS)
         pipeline = fusedpc.FusedPipeline(part, config.error_fn, mesh=setup.mesh)
-        if variant == "fused_run":
+        if variant in ("fused_run", "fused_run_unrolled"):
             steps_per_call = args.k
 
             def call(i):
@@ -316,7 +337,7 @@ def _measure_variant(args: argparse.Namespace, variant: str, blocks: int) -> dic
 
     elif variant == "unfused":
         config, part, _ = setup.build(scan=False)
-        pipeline = UnfusedPipeline(part, config.error_fn)
+        pipeline = UnfusedPipeline(part, config.error_fn, mesh=setup.mesh)
 
         def call(i):
             y, e = pipeline.step(*setup.batch(i))
@@ -347,6 +368,9 @@ def _measure_variant(args: argparse.Namespace, variant: str, blocks: int) -> dic
     )
     rss_after = _maxrss_mb()
     tokens = args.batch * args.seq
+    note = {}
+    if variant == "backprop" and args.learning != "all":
+        note = {"note": "the backprop twin trains every weight, whatever --learning says"}
     row = {
         "variant": variant,
         "step_ms": median * 1e3,
@@ -356,15 +380,22 @@ def _measure_variant(args: argparse.Namespace, variant: str, blocks: int) -> dic
         "compile_s": timing["first"],
         "first_call_s": timing["first"],
         "compile_only_s": max(timing["first"] - median * steps_per_call, 0.0),
+        "compile_cpu_s": timing["first_cpu"],
+        "step_cpu_ms": statistics.median(timing["cpu"]) / steps_per_call * 1e3,
+        "sys_fraction": timing["sys_fraction"],
+        "page_faults_per_call": timing["page_faults"],
+        "load_avg_1m": os.getloadavg()[0],
         "peak_mb": rss_after,
         "rss_growth_mb": rss_after - rss_before,
         "device_peak_mb": _device_peak_mb(),
         "gflops": flops / median / 1e9,
+        "gflops_cpu": flops / statistics.median(timing["cpu"]) * steps_per_call / 1e9,
         "flops_per_step": flops,
         "timed_steps": calls * steps_per_call,
         "steps_per_call": steps_per_call,
         **_device_info(),
         **_config(args, blocks),
+        **note,
     }
     return row
 
@@ -419,25 +450,30 @@ def _measure_peak(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    results = {}
+    results, results_cpu = {}, {}
     for n in args.peak_sizes:
         a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
         b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
         matmul = jax.jit(jnp.matmul)
         jax.block_until_ready(matmul(a, b))
         reps = max(3, min(20, int(2e10 / (2 * n**3))))
-        times = []
+        times, cpu = [], []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(matmul(a, b))
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         results[str(n)] = 2 * n**3 / statistics.median(times) / 1e9
+        results_cpu[str(n)] = 2 * n**3 / statistics.median(cpu) / 1e9
     best = max(results, key=results.get)
     return {
         "variant": "peak",
         "peak_gflops": results[best],
+        "peak_gflops_cpu": max(results_cpu.values()),
         "peak_size": int(best),
         "by_size_gflops": results,
+        "by_size_gflops_cpu": results_cpu,
+        "load_avg_1m": os.getloadavg()[0],
         **_device_info(),
     }
 
@@ -494,12 +530,23 @@ def _compare_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not by_variant:
         return None
     base = by_variant.get("backprop")
-    ratios = {}
-    for name, r in by_variant.items():
-        ratios[name] = None if base is None else r["step_ms"] / base["step_ms"]
-    out: dict[str, Any] = {"variant": "compare", "ratio_to_backprop": ratios}
+    ratios = {
+        name: None if base is None else r["step_ms"] / base["step_ms"]
+        for name, r in by_variant.items()
+    }
+    cpu_ratios = {
+        name: None if base is None else r["step_cpu_ms"] / base["step_cpu_ms"]
+        for name, r in by_variant.items()
+    }
+    out: dict[str, Any] = {
+        "variant": "compare",
+        "ratio_to_backprop": ratios,
+        "cpu_ratio_to_backprop": cpu_ratios,
+    }
     if "unfused" in by_variant and "fused" in by_variant:
-        out["unfused_over_fused"] = by_variant["unfused"]["step_ms"] / by_variant["fused"]["step_ms"]
+        out["unfused_over_fused"] = (
+            by_variant["unfused"]["step_ms"] / by_variant["fused"]["step_ms"]
+        )
     if "fused_run" in by_variant and "fused" in by_variant:
         out["fused_over_fused_run"] = (
             by_variant["fused"]["step_ms"] / by_variant["fused_run"]["step_ms"]
@@ -526,16 +573,17 @@ def _sweep_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 def _table(rows: list[dict[str, Any]], compare: dict[str, Any] | None) -> str:
     ratios = (compare or {}).get("ratio_to_backprop", {})
     head = (
-        f"{'variant':<15}{'blocks':>7}{'step ms':>10}{'tokens/s':>11}{'compile s':>11}"
+        f"{'variant':<15}{'blocks':>7}{'step ms':>10}{'cpu ms':>9}{'tokens/s':>11}{'compile s':>11}"
         f"{'peak MB':>9}{'GFLOP/s':>9}{'ratio':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         if "step_ms" not in r:
             continue
-        ratio = ratios.get(r["variant"]) if r["variant"] in VARIANTS else None
+        ratio = ratios.get(r["variant"])
         lines.append(
-            f"{r['variant']:<15}{r['blocks']:>7}{r['step_ms']:>10.2f}{r['tokens_per_s']:>11.0f}"
+            f"{r['variant']:<15}{r['blocks']:>7}{r['step_ms']:>10.2f}{r['step_cpu_ms']:>9.2f}"
+            f"{r['tokens_per_s']:>11.0f}"
             f"{r['compile_s']:>11.2f}{r['peak_mb']:>9.0f}{r['gflops']:>9.2f}"
             f"{'' if ratio is None else format(ratio, '.2f'):>7}"
         )
@@ -576,13 +624,14 @@ def main(argv: list[str] | None = None) -> int:
         elif "peak_mb" in row:
             row["peak_method"] = "rss_max_subprocess"
         if task == "peak":
-            peak = row["peak_gflops"]
+            peak = row
         elif peak is not None and "gflops" in row:
-            row["peak_fraction"] = row["gflops"] / peak
+            row["peak_fraction"] = row["gflops"] / peak["peak_gflops"]
+            row["peak_fraction_cpu"] = row["gflops_cpu"] / peak["peak_gflops_cpu"]
         rows.append(row)
         _emit(row)
 
-    compare = _compare_row(rows) if args.compare else None
+    compare = _compare_row(rows) if args.compare and not sweep else None
     if compare is not None:
         _emit(compare)
     if sweep:

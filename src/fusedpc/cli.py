@@ -10,61 +10,62 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["build_parser", "main"]
 
-# Flags that set a `TrainConfig` field: (flag, field, type, help). Their defaults are None, so
-# that only the flags actually given override the config file (which overrides the defaults).
-_CONFIG_FLAGS: tuple[tuple[str, str, type, str], ...] = (
-    ("--text", "text", str, "a UTF-8 text file to train on (default: the bundled 'hamlet')"),
-    ("--tokenizer", "tokenizer", str, "'char' (the text's characters) or 'byte' (256 tokens)"),
-    ("--validation-fraction", "validation_fraction", float,
-     "share of the text, at its end, held out for validation (default 0.1)"),
-    ("--width", "width", int, "model width (default 64)"),
-    ("--heads", "heads", int, "attention heads; must divide the width (default 4)"),
-    ("--blocks", "blocks", int, "transformer blocks (default 2)"),
-    ("--ff-width", "ff_width", int, "feed-forward hidden width (default 256)"),
-    ("--seq", "seq", int, "tokens per row, also the position table's length (default 64)"),
-    ("--learn", "learn", str,
-     "learning slots: a preset (all, ff_head, none) or a comma list of token, position, "
-     "attention, feed_forward, norm, head (default all)"),
-    ("--learning-kind", "learning_kind", str,
-     "precision_weighted (default), standard or synaptic_uncertainty"),
-    ("--window", "window", int, "window of synaptic_uncertainty (required with it)"),
-    ("--head-kind", "head_kind", str, "gaussian (logits, default) or categorical"),
-    ("--optimiser", "optimiser", str, "adam (default), adamw or sgd"),
-    ("--lr", "lr", float, "learning rate (default 3e-3)"),
-    ("--weight-decay", "weight_decay", float, "weight decay of adamw (default 1e-4)"),
-    ("--steps", "steps", int, "total steps to reach (default 1000)"),
-    ("--batch", "batch", int, "rows per step, per process (default 16)"),
-    ("--steps-per-call", "steps_per_call", int,
-     "steps per compiled call (FusedPipeline.run; default 10)"),
-    ("--seed", "seed", int, "seed of the weights, the batches and the sample (default 0)"),
-    ("--eval-every", "eval_every", int,
-     "steps between validations; 0: only at the start and the end (default 200)"),
-    ("--eval-batches", "eval_batches", int, "validation batches per evaluation (default 8)"),
-    ("--report-every", "report_every", int,
-     "steps between logged step reports (default 10)"),
-    ("--save-every", "save_every", int,
-     "steps between checkpoints; 0: only at the end (default 0)"),
-    ("--sample-tokens", "sample_tokens", int,
-     "tokens of the sample generated at the end; 0: none (default 200)"),
-    ("--temperature", "temperature", float, "temperature of the sample (default 0.8)"),
-    ("--devices", "devices", int,
-     "data-parallel devices; on CPU they are emulated (default 1)"),
+# Flags that set a `TrainConfig` field: (flag, help). The field is the flag's name with
+# underscores; type and default come from `TrainConfig`. The parsed defaults are None, so that
+# only the flags actually given override the config file (which overrides the defaults).
+_CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
+    ("--text", "a bundled text name or a UTF-8 text file to train on"),
+    ("--tokenizer", "'char' (the text's characters) or 'byte' (256 tokens)"),
+    ("--validation-fraction", "share of the text, at its end, held out for validation"),
+    ("--width", "model width"),
+    ("--heads", "attention heads; must divide the width"),
+    ("--blocks", "transformer blocks"),
+    ("--ff-width", "feed-forward hidden width"),
+    ("--seq", "tokens per row, also the position table's length"),
+    ("--learn", "learning slots: a preset (all, ff_head, none) or a comma list of token, "
+     "position, attention, feed_forward, norm, head"),
+    ("--learning-kind", "precision_weighted, standard or synaptic_uncertainty"),
+    ("--window", "window of synaptic_uncertainty (required with it)"),
+    ("--head-kind", "gaussian (logits) or categorical (probabilities)"),
+    ("--optimiser", "adam, adamw or sgd"),
+    ("--lr", "learning rate"),
+    ("--weight-decay", "weight decay of adamw"),
+    ("--steps", "total steps to reach"),
+    ("--batch", "rows per step, per process"),
+    ("--steps-per-call", "steps per compiled call (FusedPipeline.run)"),
+    ("--seed", "seed of the weights, the batches and the sample"),
+    ("--eval-every", "steps between validations; 0: only at the start and the end"),
+    ("--eval-batches", "validation batches per evaluation"),
+    ("--report-every", "steps between logged step reports"),
+    ("--save-every", "steps between checkpoints; 0: only at the end"),
+    ("--sample-tokens", "tokens of the sample generated at the end; 0: none"),
+    ("--temperature", "temperature of the sample (0: greedy)"),
+    ("--devices", "data-parallel devices; on CPU they are emulated"),
 )
 
 
+def _field(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but an error prints the short usage and one `fusedpc: error:` line."""
+    """argparse, but an error prints the short usage and one `fusedpc: error:` line.
+    `commands` maps a sub-command's name to its parser."""
+
+    commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str):
         self.print_usage(sys.stderr)
         self.exit(2, f"fusedpc: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
+    from ._train import TrainConfig  # no JAX backend is started by this import
+
     parser = _Parser(
         prog="fusedpc",
         description="Train hybrid predictive-coding GPTs and read their step reports.",
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
+        usage="fusedpc train [--config FILE] [--out DIR] [--resume DIR] [--steps N] [options]",
         help="train a hybrid predictive-coding GPT (on the bundled text by default)",
         description=(
             "Train a hybrid predictive-coding GPT. Settings come from the defaults, then "
@@ -85,14 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="output folder (default runs/<timestamp>; with --resume, DIR)")
     train.add_argument("--resume", metavar="DIR",
                        help="continue the run in DIR up to --steps total steps")
-    for flag, field, kind, text in _CONFIG_FLAGS:
-        train.add_argument(flag, dest=field, type=kind, default=None, help=text)
+    defaults = TrainConfig()
+    for flag, text in _CONFIG_FLAGS:
+        field = _field(flag)
+        default = getattr(defaults, field)
+        kind = type(default)
+        metavar = {int: "N", float: "X"}.get(kind, "PATH" if field == "text" else "NAME")
+        train.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar,
+                           help=f"{text} (default {default})")
     train.add_argument("--distributed", action="store_true", default=None,
                        help="join a multi-process run (jax.distributed.initialize())")
+    train.add_argument("--compile-cache", metavar="DIR",
+                       help="JAX compilation cache folder, reused by later runs (default "
+                       "$FUSEDPC_CACHE or ~/.cache/fusedpc/jax); 'none' leaves JAX's own "
+                       "setting")
     train.set_defaults(handler=_train)
 
     report = commands.add_parser(
         "report",
+        usage="fusedpc report LOG [--out DIR] [--target X] [--fraction X]",
         help="re-render the plots and print a rate calibration table from a log",
         description=(
             "Re-render loss.png, update_norm.png and update_ratio.png from a log.jsonl and "
@@ -103,11 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("log", metavar="LOG", help="a log.jsonl, or the run folder holding it")
     report.add_argument("--out", metavar="DIR", help="where to write the plots (default: the "
                         "log's folder)")
-    report.add_argument("--target", type=float, default=None,
+    report.add_argument("--target", type=float, default=None, metavar="X",
                         help="target update/weight ratio per step (default 1e-3)")
-    report.add_argument("--fraction", type=float, default=1.0,
+    report.add_argument("--fraction", type=float, default=1.0, metavar="X",
                         help="use only the last FRACTION of the logged steps (default 1)")
     report.set_defaults(handler=_report)
+    bench = commands.add_parser(
+        "bench", add_help=False,
+        help="benchmark fused, fused-run, unfused and backprop steps (fusedpc bench --help)",
+    )
+    parser.commands = {"train": train, "report": report, "bench": bench}
     return parser
 
 
@@ -115,9 +133,9 @@ def _train(args: argparse.Namespace) -> int:
     from . import _train as training
 
     overrides = {
-        field: getattr(args, field)
-        for _, field, _, _ in _CONFIG_FLAGS
-        if getattr(args, field) is not None
+        _field(flag): getattr(args, _field(flag))
+        for flag, _ in _CONFIG_FLAGS
+        if getattr(args, _field(flag)) is not None
     }
     if args.distributed:
         overrides["distributed"] = True
@@ -129,8 +147,6 @@ def _train(args: argparse.Namespace) -> int:
             )
         config = training.resume_config(args.resume, overrides)
     else:
-        if args.config is not None and not os.path.isfile(args.config):
-            raise FileNotFoundError(f"--config: no config file at {args.config!r}")
         config = training.resolve_config(args.config, overrides)
     if config.devices > 1:
         from ._sharding import emulate_cpu_devices
@@ -139,13 +155,18 @@ def _train(args: argparse.Namespace) -> int:
             emulate_cpu_devices(config.devices)
         except RuntimeError as err:
             raise ValueError(str(err)) from None
+    training.enable_compile_cache(args.compile_cache)
     result = training.train(config, args.out, resume_from=args.resume)
+    import jax
+
+    if jax.process_index() != 0:  # in a multi-process run, process 0 speaks for all
+        return 130 if result.interrupted else 0
     if result.sample:
         print("sample:")
         print(result.sample)
         print()
     print(training.format_summary(result))
-    return 0
+    return 130 if result.interrupted else 0  # the shell's status for a run stopped by Ctrl-C
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -175,13 +196,26 @@ def _one_line(err: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `fusedpc` with `argv` (default `sys.argv[1:]`); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if argv[:1] == ["bench"]:  # its own flags and parser: fusedpc.bench
+        from .bench import main as bench_main
+
+        return _guarded(lambda: bench_main(argv[1:]))
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # name them with the usage of the command they were given to
+        command = parser.commands.get(args.command, parser)
+        command.error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    return _guarded(lambda: args.handler(args))
+
+
+def _guarded(command: Callable[[], int]) -> int:
+    """Run `command`; bad input becomes one `fusedpc: error:` line and exit status 1."""
     try:
-        return args.handler(args)
+        return command()
     except (ValueError, TypeError, OSError) as err:
         if os.environ.get("FUSEDPC_TRACEBACK"):
             raise
