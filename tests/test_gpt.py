@@ -238,3 +238,17 @@ def test_config_errors_name_the_setting():
         fusedpc.build_gpt(fusedpc.GPTConfig(**{**TINY, "n_heads": 3}), None, jax.random.key(0))
     with pytest.raises(ValueError, match="unknown slots"):
         fusedpc.GPTConfig(**TINY, learn=("head", "wings")).validate()
+
+
+def test_slot_optimisers_give_a_slot_its_own_rate(key):
+    config = fusedpc.GPTConfig(**TINY, learn="all")
+    part, reference = fusedpc.build_gpt(
+        config, optax.sgd(0.5), key, slot_optimisers={"head": optax.sgd(0.0)}
+    )
+    pipeline = fusedpc.FusedPipeline(part, config.error_fn)
+    ids = _ids(jax.random.key(1), (2, 8), TINY["vocab_size"])
+    pipeline.step(ids, ids)
+    rows = {row["part"]: row["update_norm"] for row in pipeline.report()}
+    assert rows["head"] == 0.0 and rows["blocks[0].feed_forward"] > 0.0
+    with pytest.raises(ValueError, match=r"slot_optimisers has unknown slots \['wings'\]"):
+        fusedpc.build_gpt(config, optax.sgd(0.5), key, slot_optimisers={"wings": None})

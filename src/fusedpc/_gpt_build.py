@@ -194,12 +194,22 @@ def build_gpt(
     config: GPTConfig,
     optimiser: optax.GradientTransformation | None,
     key: jax.Array,
+    *,
+    slot_optimisers: dict[str, optax.GradientTransformation | None] | None = None,
 ) -> tuple[GPTPart, GPT]:
     """A reference GPT drawn from `key` and the GPT part built from it per `config`.
 
-    Returns `(part, reference)`: the reference is the backprop twin at the same weights.
+    `slot_optimisers` gives some slots (`"token"`, `"position"`, `"attention"`,
+    `"feed_forward"`, `"norm"`, `"head"`) an optimiser of their own — e.g. the per-part rates
+    that `fusedpc report` suggests — instead of `optimiser`. Returns `(part, reference)`: the
+    reference is the backprop twin at the same weights.
     """
     config.validate()
+    slot_optimisers = dict(slot_optimisers or {})
+    unknown = sorted(set(slot_optimisers) - set(SLOTS))
+    if unknown:
+        raise ValueError(f"build_gpt: slot_optimisers has unknown slots {unknown}; choose from "
+                         f"{SLOTS}.")
     reference = GPT(
         config.vocab_size,
         config.width,
@@ -211,21 +221,29 @@ def build_gpt(
     )
     slots = set(config.learning_slots())
     synaptic = config.learning_kind == "synaptic_uncertainty"
-    learning = {
-        "optimiser": None if synaptic else optimiser,
-        "learning_kind": config.learning_kind,
-        "learning_kwargs": config.learning_kwargs,
-    }
+
+    def slot_optimiser(slot):
+        return slot_optimisers.get(slot, optimiser)
+
+    def learning_for(slot):
+        return {
+            "optimiser": None if synaptic else slot_optimiser(slot),
+            "learning_kind": config.learning_kind,
+            "learning_kwargs": config.learning_kwargs,
+        }
+
     ff_parts = attention_parts = None
     if "feed_forward" in slots:
         ff_parts = [
             transplant.from_feedforward(
-                b.ff.fc1, b.ff.fc2, "gelu", hidden_precision=config.hidden_precision, **learning
+                b.ff.fc1, b.ff.fc2, "gelu", hidden_precision=config.hidden_precision,
+                **learning_for("feed_forward"),
             )
             for b in reference.blocks
         ]
     if "attention" in slots:
         attention_parts = []
+        learning = learning_for("attention")
         for b in reference.blocks:
             a = b.attn
             if config.fused_qkv:
@@ -237,16 +255,18 @@ def build_gpt(
             attention_parts.append(parts)
     head_part = None
     if "head" in slots:
-        head_part = transplant.from_linear(reference.head, head=config.head_kind, **learning)
+        head_part = transplant.from_linear(
+            reference.head, head=config.head_kind, **learning_for("head")
+        )
     token_part = position_part = None
     if "token" in slots:
-        token_part = transplant.from_embedding(reference.tok_emb, **learning)
+        token_part = transplant.from_embedding(reference.tok_emb, **learning_for("token"))
     if "position" in slots:
-        position_part = transplant.from_embedding(reference.pos_emb, **learning)
+        position_part = transplant.from_embedding(reference.pos_emb, **learning_for("position"))
     norm_parts = None
     if "norm" in slots:
         def norm_parts(ln):
-            return transplant.from_layer_norm(ln, optimiser=optimiser)
+            return transplant.from_layer_norm(ln, optimiser=slot_optimiser("norm"))
     part = hybrid_from_gpt(
         reference,
         ff_parts=ff_parts,
