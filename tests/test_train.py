@@ -251,3 +251,13 @@ def test_distributed_launch_variables_must_come_together(monkeypatch):
     monkeypatch.setenv("FUSEDPC_PROCESS_ID", "0")
     with pytest.raises(ValueError, match="must be integers"):
         _train.join_processes()
+
+
+def test_slot_lr_scales_parse_and_reject_bad_entries():
+    from fusedpc._train import TrainConfig
+
+    config = TrainConfig(slot_lr_scales="head=0.5, attention=2")
+    assert config.lr_scales() == {"head": 0.5, "attention": 2.0}
+    for bad in ("wings=2", "head=0", "head", "head=x"):
+        with pytest.raises(ValueError, match="slot_lr_scales: expected entries slot=multiplier"):
+            TrainConfig(slot_lr_scales=bad).validate()

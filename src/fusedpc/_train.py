@@ -48,7 +48,7 @@ from . import _plots, data
 from ._checkpoint import read_checkpoint_manifest
 from ._executor import FusedPipeline
 from ._generate import generate
-from ._gpt_build import GPTConfig, build_gpt
+from ._gpt_build import SLOTS, GPTConfig, build_gpt
 from ._local_update import LEARNING_KINDS
 from ._progress import Progress, format_duration
 from ._sharding import data_mesh, initialize_distributed, make_global_batch
@@ -76,7 +76,9 @@ class TrainConfig:
     (which needs `window` >= 1); `head_kind`: `"gaussian"` (logits) or `"categorical"`
     (probabilities).
 
-    **[optimiser]** `optimiser`: `"adam"`, `"adamw"` or `"sgd"`; `lr`; `weight_decay` (adamw).
+    **[optimiser]** `optimiser`: `"adam"`, `"adamw"` or `"sgd"`; `lr`; `weight_decay` (adamw);
+    `slot_lr_scales`: per-slot rate multipliers, e.g. `"head=0.5,attention=2"` (the
+    multipliers `fusedpc report` suggests), each slot then gets its own optimiser.
 
     **[training]** `steps` (the total to reach), `batch` (rows per step, per process),
     `steps_per_call` (K steps per compiled call), `seed`, `eval_every` (steps between
@@ -106,6 +108,7 @@ class TrainConfig:
     optimiser: str = "adam"
     lr: float = 3e-3
     weight_decay: float = 1e-4
+    slot_lr_scales: str = ""
     # [training]
     steps: int = 1000
     batch: int = 16
@@ -148,6 +151,7 @@ class TrainConfig:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}.")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}.")
+        self.lr_scales()
         if not 0 < self.validation_fraction < 1:
             raise ValueError(
                 f"validation_fraction must lie strictly between 0 and 1, got "
@@ -170,6 +174,24 @@ class TrainConfig:
                 f"of {self.devices}."
             )
         self.gpt_config(vocab_size=1).validate()  # learn slots, learning kind, head kind
+
+    def lr_scales(self) -> dict[str, float]:
+        """`slot_lr_scales` parsed: `{"head": 0.5, ...}`; bad entries raise a `ValueError`."""
+        scales: dict[str, float] = {}
+        for item in filter(None, (s.strip() for s in self.slot_lr_scales.split(","))):
+            slot, sep, value = item.partition("=")
+            slot = slot.strip()
+            try:
+                scale = float(value) if sep else float("nan")
+            except ValueError:
+                scale = float("nan")
+            if slot not in SLOTS or not (scale > 0 and math.isfinite(scale)):
+                raise ValueError(
+                    f"slot_lr_scales: expected entries slot=multiplier with a slot from {SLOTS} "
+                    f"and a positive multiplier, got {item!r}."
+                )
+            scales[slot] = scale
+        return scales
 
     def gpt_config(self, vocab_size: int):
         return GPTConfig(
@@ -198,7 +220,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "width", "heads", "blocks", "ff_width", "seq", "learn", "learning_kind", "window",
         "head_kind",
     ),
-    "optimiser": ("optimiser", "lr", "weight_decay"),
+    "optimiser": ("optimiser", "lr", "weight_decay", "slot_lr_scales"),
     "training": (
         "steps", "batch", "steps_per_call", "seed", "eval_every", "eval_batches",
         "report_every", "save_every", "sample_tokens", "temperature",
@@ -356,13 +378,14 @@ def resume_config(run_dir: str | os.PathLike, overrides: dict[str, Any] | None =
 
 
 # --------------------------------------------------------------------------- pieces
-def make_optimiser(config: TrainConfig):
-    """The optax optimiser named by `config.optimiser` at rate `config.lr`."""
+def make_optimiser(config: TrainConfig, scale: float = 1.0):
+    """The optax optimiser named by `config.optimiser` at rate `scale * config.lr`."""
+    lr = config.lr * scale
     if config.optimiser == "adam":
-        return optax.adam(config.lr)
+        return optax.adam(lr)
     if config.optimiser == "adamw":
-        return optax.adamw(config.lr, weight_decay=config.weight_decay)
-    return optax.sgd(config.lr)
+        return optax.adamw(lr, weight_decay=config.weight_decay)
+    return optax.sgd(lr)
 
 
 def load_tokens(config: TrainConfig, tokenizer: dict | None = None):
@@ -397,7 +420,12 @@ def make_mesh(config: TrainConfig):
 def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
     """The `FusedPipeline` of a run: `build_gpt` at `jax.random.key(config.seed)`."""
     gpt = config.gpt_config(vocab_size)
-    part, _ = build_gpt(gpt, make_optimiser(config), jax.random.key(config.seed))
+    slot_optimisers = {
+        slot: make_optimiser(config, scale) for slot, scale in config.lr_scales().items()
+    }
+    part, _ = build_gpt(
+        gpt, make_optimiser(config), jax.random.key(config.seed), slot_optimisers=slot_optimisers
+    )
     return FusedPipeline(part, gpt.error_fn, key=jax.random.key(config.seed), mesh=mesh)
 
 

@@ -34,6 +34,8 @@ _CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--optimiser", "adam, adamw or sgd"),
     ("--lr", "learning rate"),
     ("--weight-decay", "weight decay of adamw"),
+    ("--slot-lr-scales", "per-slot rate multipliers, e.g. head=0.5,attention=2 (what "
+     "'fusedpc report' suggests)"),
     ("--steps", "total steps to reach"),
     ("--batch", "rows per step, per process"),
     ("--steps-per-call", "steps per compiled call (FusedPipeline.run)"),
