@@ -328,3 +328,74 @@ CONFORMANCE_CASES.update(
         ),
     }
 )
+
+
+# --------------------------------------------------------------------------- composite parts
+# Attention, Repeat, TransformerBlock and the whole GPT. Width D = 8 with 2 heads for the
+# attention-bearing cases; every optimiser a Repeat's blocks share is created once (Repeat
+# compares static settings by identity).
+def _frozen_attention(seed: int, width: int = 8, n_heads: int = 2) -> fusedpc.MultiHeadAttention:
+    wq, wk, wv, wo = (frozen.linear(*linear_params(seed + i, width, width)) for i in range(4))
+    return fusedpc.MultiHeadAttention(wq, wk, wv, wo, n_heads=n_heads)
+
+
+def _fused_learning_attention(width: int = 8) -> fusedpc.MultiHeadAttention:
+    keys = jax.random.split(jax.random.key(50), 4)
+    linears = [eqx.nn.Linear(width, width, key=k) for k in keys]
+    optimiser = optax.sgd(0.1)
+    return fusedpc.MultiHeadAttention(
+        wo=fusedpc.transplant.from_linear(linears[3], optimiser=optimiser),
+        n_heads=2,
+        wqkv=fusedpc.transplant.from_linears(linears[:3], optimiser=optimiser),
+    )
+
+
+def _repeat(unroll: bool, width: int = 4) -> fusedpc.Repeat:
+    optimiser = optax.adam(1e-2)  # one object for every block: compared by identity
+
+    def block(key: jax.Array) -> fusedpc.AbstractPart:
+        network = fusedpc.PCNetwork([width, 5, width], "tanh", key=key)
+        return fusedpc.Residual(
+            fusedpc.Sequential(
+                [frozen.layer_norm(width=width), fusedpc.LearningNetwork(network, optimiser)]
+            )
+        )
+
+    return fusedpc.Repeat.from_factory(block, 3, jax.random.key(51), unroll=unroll)
+
+
+def _transformer_block(width: int = 8) -> fusedpc.TransformerBlock:
+    k1, k2 = jax.random.split(jax.random.key(52))
+    feed_forward = fusedpc.transplant.from_feedforward(
+        eqx.nn.Linear(width, 16, key=k1), eqx.nn.Linear(16, width, key=k2),
+        optimiser=optax.sgd(0.1),
+    )
+    return fusedpc.TransformerBlock(
+        frozen.layer_norm(width=width), _frozen_attention(53),
+        frozen.layer_norm(width=width), feed_forward,
+    )
+
+
+def _gpt() -> fusedpc.GPTPart:
+    config = fusedpc.GPTConfig(
+        vocab_size=11, width=8, n_heads=2, n_blocks=2, ff_width=16, max_len=4, learn="all"
+    )
+    return fusedpc.build_gpt(config, optax.sgd(0.1), jax.random.key(0))[0]
+
+
+# Distinct ids: the error at the embedding output then equals, row by row, the vjp of the
+# forward with respect to the token table (test_conformance checks it there).
+GPT_IDS = ((0, 3, 10, 5), (7, 1, 9, 2))
+
+CONFORMANCE_CASES.update(
+    {
+        "attention_frozen_slots": lambda: (_frozen_attention(54), normal(119, (2, 4, 8))),
+        "attention_fused_learning_qkv": lambda: (
+            _fused_learning_attention(), normal(120, (2, 4, 8))
+        ),
+        "repeat_scanned": lambda: (_repeat(unroll=False), normal(121, (2, 3, 4))),
+        "repeat_unrolled": lambda: (_repeat(unroll=True), normal(121, (2, 3, 4))),
+        "transformer_block": lambda: (_transformer_block(), normal(122, (2, 4, 8))),
+        "gpt": lambda: (_gpt(), jnp.array(GPT_IDS, jnp.int32)),
+    }
+)

@@ -1,8 +1,10 @@
 """One conformance suite that every part type passes (cases: `helpers.CONFORMANCE_CASES`).
 
 Per case: output shapes; jit and no-jit forward+backward agree; the hand-written backward
-equals `jax.vjp` of the forward (through `fusedpc.check_backward` and directly); a pipeline
-step keeps the state's structure, shapes and dtypes; a second step does not retrace.
+equals `jax.vjp` of the forward (through `fusedpc.check_backward` and directly; for a GPT,
+whose input is ids, the error at its embedding output against the vjp with respect to its
+token and position tables); a pipeline step keeps the state's structure, shapes and dtypes;
+a second step does not retrace.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -67,6 +70,9 @@ def test_output_shapes(name):
     assert bool(jnp.all(jnp.isfinite(y)))
     if _is_float(x):
         assert (ref.input_error.shape, ref.input_error.dtype) == (x.shape, x.dtype)
+    elif ref.input_error is not None:  # ids in: the error at the embedding output, (*ids, D)
+        assert ref.input_error.shape[:-1] == x.shape, f"{name}: {ref.input_error.shape}"
+        assert ref.input_error.dtype == jnp.float32
     assert shapes_and_dtypes(ref.new_state) == shapes_and_dtypes(ref.state)
 
 
@@ -86,11 +92,42 @@ def test_jit_and_no_jit_agree(name):
     assert_tree_allclose(jitted, eager, rtol=1e-5, atol=1e-6)
 
 
+def _check_embedding_output_error(name: str, ref: Reference) -> None:
+    """A part taking ids (a GPT) returns the error $E$ at its embedding output `(B, T, D)`.
+
+    Its token and position tables enter the forward as $h_0 = T[\\mathrm{ids}] + P[0{:}T]$,
+    so the vjp of the forward with respect to them is $\\partial L/\\partial T_v =
+    \\sum_{(b,t): \\mathrm{ids}_{bt} = v} E_{bt}$ and $\\partial L/\\partial P_t = \\sum_b E_{bt}$.
+    """
+    assert isinstance(ref.part, fusedpc.GPTPart), (
+        f"{name}: integer input with an input error; only GPTPart is known to do that"
+    )
+    ids, seq = ref.x, ref.x.shape[1]
+
+    def forward(token_table, position_table):
+        state = eqx.tree_at(
+            lambda s: (s.token.table, s.position.table), ref.state, (token_table, position_table)
+        )
+        return ref.core.forward(state, ids)[0]
+
+    _, vjp = jax.vjp(forward, ref.state.token.table, ref.state.position.table)
+    d_token, d_position = vjp(ref.error)
+    e = ref.input_error
+    assert float(jnp.max(jnp.abs(e))) > 0.0, f"{name}: the input error is all zero"
+    # atol: entries that cancel to ~0 carry the float32 rounding of O(1) terms.
+    want_token = jnp.zeros_like(d_token).at[ids.reshape(-1)].add(e.reshape(-1, e.shape[-1]))
+    assert_tree_allclose(want_token, d_token, rtol=1e-5, atol=1e-6)
+    assert_tree_allclose(jnp.sum(e, axis=0), d_position[:seq], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_backward_matches_vjp(name):
     ref = _reference(name)
     if not _is_float(ref.x):
-        pytest.skip("integer inputs (token ids) have no input error to compare")
+        if ref.input_error is None:
+            pytest.skip("integer inputs (token ids) have no input error to compare")
+        _check_embedding_output_error(name, ref)
+        return
 
     worst = fusedpc.check_backward(ref.part, ref.x, error=ref.error, state=ref.state)
     assert worst <= 1e-5, f"{name}: check_backward reports {worst:.2e}"
@@ -114,6 +151,8 @@ def test_pipeline_step_keeps_state_and_does_not_retrace(name):
     assert (y.shape, y.dtype) == (ref.y.shape, ref.y.dtype)
     if _is_float(ref.x):
         assert input_error.shape == ref.x.shape
+    elif ref.input_error is not None:
+        assert input_error.shape == ref.input_error.shape
 
     x2 = ref.x + 0.5 if _is_float(ref.x) else ref.x
     pipeline.step(x2, target + 1.0)
