@@ -305,6 +305,7 @@ class FusedPipeline:
         _check_array(x, x_name)
         _check_array(target, t_name)
         _check_non_empty(x, x_name)
+        self._validate_values(x)  # the tree's own checks first: they say more
         min_rank = 3 if batched else 2
         if np.ndim(x) < min_rank:
             layout = "(steps, rows, ...)" if batched else "(rows, ...)"
@@ -313,7 +314,6 @@ class FusedPipeline:
                 f"before the features), got shape {tuple(np.shape(x))}; add a leading axis "
                 f"with x[None] for a single row."
             )
-        self._validate_values(x)
         signature = (
             batched,
             tuple(jnp.shape(x)),

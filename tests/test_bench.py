@@ -1,0 +1,114 @@
+"""Smoke tests of the benchmark script on a micro config: the JSON rows and their fields.
+
+Nothing here is timed: the figures are only checked to exist and be positive.
+"""
+
+import json
+
+import pytest
+
+from fusedpc import bench
+
+MICRO = [
+    "--vocab", "7", "--width", "4", "--heads", "2", "--blocks", "1", "--seq", "4",
+    "--batch", "2", "--steps", "2", "--warmup", "0", "--k", "2", "--learning", "none",
+    "--optimiser", "sgd", "--lr", "0.1",
+]
+ROW_FIELDS = (
+    "variant", "step_ms", "tokens_per_s", "compile_s", "peak_mb", "gflops", "device",
+    "step_cpu_ms", "vocab", "width", "heads", "blocks", "seq", "batch", "learning",
+)
+
+
+def _rows(capsys) -> tuple[list[dict], str]:
+    captured = capsys.readouterr()
+    lines = [line for line in captured.out.splitlines() if line.strip()]
+    assert lines, "the bench printed nothing"
+    return [json.loads(line) for line in lines], captured.err  # one JSON object per line
+
+
+def test_all_variants_in_process_with_compare_and_peak(capsys):
+    argv = [*MICRO, "--in-process", "--compare", "--peak", "--peak-sizes", "16"]
+    assert bench.main(argv) == 0
+    rows, err = _rows(capsys)
+    by_variant = {r["variant"]: r for r in rows}
+    assert list(by_variant) == ["peak", *bench.VARIANTS, "donation", "compare"]
+    assert by_variant["peak"]["peak_gflops"] > 0
+    for variant in bench.VARIANTS:
+        row = by_variant[variant]
+        for field in ROW_FIELDS:
+            assert field in row, f"{variant}: missing {field}"
+        assert row["step_ms"] > 0 and row["tokens_per_s"] > 0 and row["gflops"] > 0
+        assert row["compile_s"] > 0 and row["step_cpu_ms"] >= 0
+        assert row["peak_method"] == "rss_growth_in_process"
+        assert row["peak_fraction"] > 0
+        assert (row["width"], row["blocks"], row["learning"]) == (4, 1, "none")
+    assert by_variant["fused_run"]["steps_per_call"] == 2
+    donation = by_variant["donation"]
+    assert donation["donated_peak_mb"] < donation["not_donated_peak_mb"]
+    assert donation["donated"]["alias_mb"] > 0 and donation["not_donated"]["alias_mb"] == 0
+    ratios = by_variant["compare"]["ratio_to_backprop"]
+    assert ratios["backprop"] == pytest.approx(1.0)
+    assert set(ratios) == set(bench.VARIANTS)
+    assert by_variant["compare"]["unfused_over_fused"] > 0
+    assert "ratio" in err and "backprop" in err  # the human table
+
+
+def test_interleaved_depth_sweep_rows_and_summary(capsys):
+    argv = [*MICRO, "--interleave", "--blocks", "1,2", "--steps", "1", "--variants", "fused_scan"]
+    assert bench.main(argv) == 0
+    rows, err = _rows(capsys)
+    measured = [(r["variant"], r["blocks"]) for r in rows if "step_ms" in r]
+    assert measured == [("fused_scan", 1), ("fused_scan", 2)]
+    summary = rows[-1]
+    assert summary["variant"] == "sweep_summary"
+    assert summary["fused_scan"]["blocks"] == [1, 2]
+    assert summary["fused_scan"]["compile_ratio"] > 0
+    assert all(r["peak_method"] == "rss_growth_interleaved" for r in rows if "step_ms" in r)
+    assert "fused_scan" in err and "compile s" in err  # the human table
+
+
+def test_worker_subprocess_with_emulated_devices(capsys):
+    # The default path: each variant in a fresh process, XLA_FLAGS set before jax starts.
+    argv = [*MICRO, "--variants", "fused", "--no-donate-probe", "--devices", "2"]
+    assert bench.main(argv) == 0
+    (row,), _ = _rows(capsys)
+    assert row["variant"] == "fused"
+    assert row["n_devices"] == 2 and row["devices"] == 2
+    assert row["peak_method"] == "rss_max_subprocess" and row["peak_mb"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--width", "6", "--heads", "4"], "must divide --width"),
+        (["--batch", "3", "--devices", "2"], "must divide over --devices"),
+        (["--variants", "fused,warp"], "unknown variants"),
+        (["--blocks", "1,0"], "integers >= 1"),
+    ],
+)
+def test_bad_flags_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as raised:
+        bench.main(argv)
+    assert raised.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_worker_argv_carries_every_measurement_flag():
+    # A worker must measure exactly what the parent was asked for: every flag but the
+    # orchestration ones (which depth, which process) survives the round trip.
+    parser = bench.build_parser()
+    argv = [
+        *MICRO, "--blocks", "1,3", "--ff-width", "12", "--nonfinite", "ignore", "--profile",
+        "--devices", "2", "--seed", "5", "--peak-sizes", "8,16", "--lr", "0.25",
+    ]
+    args = parser.parse_args(argv)
+    bench._check_args(parser, args)
+    worker = parser.parse_args(bench._worker_argv(args, "fused", 3))
+    bench._check_args(parser, worker)
+    skip = {"blocks", "worker", "variants", "compare", "peak", "no_donate_probe", "in_process",
+            "interleave"}
+    for name, value in vars(args).items():
+        if name not in skip:
+            assert getattr(worker, name) == value, name
+    assert worker.blocks == [3] and worker.worker == "fused"
