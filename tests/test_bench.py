@@ -4,6 +4,7 @@ Nothing here is timed: the figures are only checked to exist and be positive.
 """
 
 import json
+import os
 
 import pytest
 
@@ -76,6 +77,8 @@ def test_worker_subprocess_with_emulated_devices(capsys):
     assert row["variant"] == "fused"
     assert row["n_devices"] == 2 and row["devices"] == 2
     assert row["peak_method"] == "rss_max_subprocess" and row["peak_mb"] > 0
+    # the device count went to the worker's environment only, not to this process's
+    assert "device_count=2" not in os.environ.get("XLA_FLAGS", "")
 
 
 @pytest.mark.parametrize(

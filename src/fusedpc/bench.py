@@ -20,8 +20,14 @@ donated (`Compiled.memory_analysis()`).
 Every measurement runs in its own subprocess by default, so the peak host RSS
 (`ru_maxrss`, which only ever grows within a process) belongs to one variant alone;
 `--in-process` runs them all in this process (faster; `peak_mb` is then the growth of the
-maximum RSS during the variant, a lower bound). jax is imported only after the flags are
-parsed, so `--devices N` can set `XLA_FLAGS=--xla_force_host_platform_device_count=N` first.
+maximum RSS during the variant, a lower bound). `--interleave` builds every variant in this
+process and times their calls in turn, one call of each per round, so that a machine shared
+with other jobs slows them alike (the fairest ratios on such a machine).
+
+This module imports jax only inside functions, after the flags are parsed, so `--devices N`
+can set `XLA_FLAGS=--xla_force_host_platform_device_count=N` before jax starts its backend
+(importing the `fusedpc` package imports jax but starts no backend; the workers are fresh
+processes that inherit the flag).
 
 Timing: the first call (tracing, compiling, one execution) is `first_call_s`; `compile_s`
 is the same figure (the time a user waits before the first step returns) and
@@ -71,7 +77,7 @@ def _int_list(text: str) -> list[int]:
 
 def _variant_list(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
-    allowed = VARIANTS + UNROLLED_VARIANTS + SWEEP_VARIANTS[:1]
+    allowed = VARIANTS + UNROLLED_VARIANTS + SWEEP_VARIANTS[:1] + PROBES
     unknown = [v for v in values if v not in allowed]
     if unknown or not values:
         raise argparse.ArgumentTypeError(
@@ -110,7 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants", type=_variant_list, default=None,
         help="comma-separated variants: fused,fused_run,unfused,backprop (the default), "
         "fused_unrolled,fused_run_unrolled (blocks unrolled instead of scanned), fused_scan "
-        "(= fused; the sweep's default is fused_scan,fused_unrolled)",
+        "(= fused; the sweep's default is fused_scan,fused_unrolled); the probes peak and "
+        "donation may be named too (--variants donation runs the donation probe alone)",
+    )
+    p.add_argument(
+        "--nonfinite", choices=("skip", "raise", "ignore"), default="skip",
+        help="FusedPipeline's non-finite policy for the fused variants and the donation probe "
+        "(default skip; ignore measures the step without its guard)",
+    )
+    p.add_argument(
+        "--profile", action="store_true",
+        help="trace 3 more calls per variant with jax.profiler and add the compiled program's "
+        "time per kind of kernel (ms per call, summed over threads) to its row",
     )
     p.add_argument("--compare", action="store_true", help="add ratios to backprop at the end")
     p.add_argument("--peak", action="store_true", help="run the matmul peak probe first")
@@ -129,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--in-process", action="store_true",
         help="run every measurement in this process (peak_mb is then an RSS growth)",
+    )
+    p.add_argument(
+        "--interleave", action="store_true",
+        help="build every variant in this process and time their calls in turn (one call of "
+        "each per round): fairer ratios on a shared machine; peak_mb is then an RSS growth",
     )
     p.add_argument("--seed", type=int, default=0, help="PRNG seed of weights and batches")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -164,6 +186,7 @@ def _config(args: argparse.Namespace, blocks: int) -> dict[str, Any]:
         "learning": args.learning,
         "optimiser": args.optimiser,
         "lr": args.lr,
+        "nonfinite": args.nonfinite,
         "steps": args.steps,
         "devices": args.devices,
     }
@@ -185,6 +208,9 @@ def _device_info() -> dict[str, Any]:
         "platform": device.platform,
         "n_devices": jax.device_count(),
         "jax": jax.__version__,
+        # what would make compile times incomparable: optimisation flags, a warm disk cache
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "compilation_cache": bool(jax.config.jax_compilation_cache_dir),
     }
 
 
@@ -240,6 +266,10 @@ class _Setup:
         shape = (4, args.batch, args.seq)
         self.ids = jax.random.randint(k_ids, shape, 0, args.vocab, dtype=jnp.int32)
         self.targets = jax.random.randint(k_targets, shape, 0, args.vocab, dtype=jnp.int32)
+        # Sliced and placed once: a call's timing holds the step, not the batch's preparation.
+        self.batches = [
+            (self.shard(self.ids[j]), self.shard(self.targets[j])) for j in range(shape[0])
+        ]
         run_shape = (args.k, args.batch, args.seq)
         self.run_ids = jax.random.randint(k_ids, run_shape, 0, args.vocab, dtype=jnp.int32)
         self.run_targets = jax.random.randint(
@@ -265,8 +295,7 @@ class _Setup:
         return jax.device_put(x, sharding)
 
     def batch(self, i: int):
-        j = i % self.ids.shape[0]
-        return self.shard(self.ids[j]), self.shard(self.targets[j])
+        return self.batches[i % len(self.batches)]
 
 
 def _time_calls(call, warmup: int, steps: int) -> dict[str, Any]:
@@ -299,6 +328,37 @@ def _time_calls(call, warmup: int, steps: int) -> dict[str, Any]:
     }
 
 
+def _profile(call, start: int, calls: int = 3) -> list[list]:
+    """Trace `calls` calls with `jax.profiler`; the XLA kernels' time by kind (the fusion's
+    name without its numeric suffix), ms per call summed over the runtime's threads."""
+    import collections
+    import glob
+    import re
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as where:
+        jax.profiler.start_trace(where)
+        for i in range(calls):
+            jax.block_until_ready(call(start + i))
+        jax.profiler.stop_trace()
+        files = sorted(glob.glob(os.path.join(where, "**", "*.xplane.pb"), recursive=True))
+        if not files:
+            return []
+        data = jax.profiler.ProfileData.from_file(files[-1])
+    totals: collections.Counter = collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            if line.name == "python":
+                continue  # the host (dispatch) thread
+            for event in line.events:
+                if event.name.startswith(("ThunkExecutor", "SlinkyThreadPool", "PjRt")):
+                    continue  # containers and waits, not kernels
+                totals[re.sub(r"\.\d+$", "", event.name)] += event.duration_ns
+    return [[name, ns / 1e6 / calls] for name, ns in totals.most_common(15)]
+
+
 def _quartiles(times: list[float]) -> tuple[float, float, float]:
     if len(times) == 1:
         return times[0], times[0], times[0]
@@ -306,44 +366,47 @@ def _quartiles(times: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(times), q[2]
 
 
-def _measure_variant(args: argparse.Namespace, variant: str, blocks: int) -> dict[str, Any]:
-    """Build, warm and time one variant in this process; returns its JSON row."""
+def _prepare_variant(args: argparse.Namespace, variant: str, blocks: int):
+    """Build one variant; returns `(call, steps_per_call)` with `call(i)` running one call on
+    batch `i` and returning what to block on."""
     import equinox as eqx
     import jax
 
     import fusedpc
     from fusedpc._unfused import UnfusedPipeline
-    from fusedpc.models import count_flops, make_backprop_step
+    from fusedpc.models import make_backprop_step
 
-    rss_before = _maxrss_mb()
     setup = _Setup(args, blocks)
-    steps_per_call = 1
-
     if variant in ("fused", "fused_scan", "fused_run", *UNROLLED_VARIANTS):
         config, part, _ = setup.build(scan=variant not in UNROLLED_VARIANTS)
-        pipeline = fusedpc.FusedPipeline(part, config.error_fn, mesh=setup.mesh)
+        pipeline = fusedpc.FusedPipeline(
+            part, config.error_fn, mesh=setup.mesh, nonfinite=args.nonfinite
+        )
         if variant in ("fused_run", "fused_run_unrolled"):
-            steps_per_call = args.k
 
-            def call(i):
+            def run_call(i):
                 pipeline.run(setup.run_ids, setup.run_targets, keep_outputs=False)
                 return pipeline.state, pipeline.last_metrics.loss
 
-        else:
+            return run_call, args.k
 
-            def call(i):
-                y, e = pipeline.step(*setup.batch(i))
-                return y, e, pipeline.state
-
-    elif variant == "unfused":
-        config, part, _ = setup.build(scan=False)
-        pipeline = UnfusedPipeline(part, config.error_fn, mesh=setup.mesh)
-
-        def call(i):
+        def step_call(i):
             y, e = pipeline.step(*setup.batch(i))
             return y, e, pipeline.state
 
-    elif variant == "backprop":
+        return step_call, 1
+
+    if variant == "unfused":
+        config, part, _ = setup.build(scan=False)
+        plain = UnfusedPipeline(part, config.error_fn, mesh=setup.mesh)
+
+        def unfused_call(i):
+            y, e = plain.step(*setup.batch(i))
+            return y, e, plain.state
+
+        return unfused_call, 1
+
+    if variant == "backprop":
         _, _, reference = setup.build(scan=True)
         step = make_backprop_step(setup.optimiser)
         holder = {"model": reference, "opt": None}
@@ -352,21 +415,37 @@ def _measure_variant(args: argparse.Namespace, variant: str, blocks: int) -> dic
             holder["model"] = jax.device_put(holder["model"], replicated)
         holder["opt"] = setup.optimiser.init(eqx.filter(holder["model"], eqx.is_array))
 
-        def call(i):
+        def backprop_call(i):
             model, opt, loss = step(holder["model"], holder["opt"], *setup.batch(i))
             holder["model"], holder["opt"] = model, opt
             return model, loss
 
-    else:
-        raise ValueError(f"unknown variant {variant!r}")
+        return backprop_call, 1
+    raise ValueError(f"unknown variant {variant!r}")
 
-    calls = args.steps if steps_per_call == 1 else max(math.ceil(args.steps / steps_per_call), 5)
-    timing = _time_calls(call, args.warmup, calls)
+
+def _timed_calls(args: argparse.Namespace, steps_per_call: int) -> int:
+    if steps_per_call == 1:
+        return args.steps
+    return max(math.ceil(args.steps / steps_per_call), 5)
+
+
+def _variant_row(
+    args: argparse.Namespace,
+    variant: str,
+    blocks: int,
+    timing: dict[str, Any],
+    steps_per_call: int,
+    rss: tuple[float, float],
+    profile: list | None,
+) -> dict[str, Any]:
+    from fusedpc.models import count_flops
+
     p25, median, p75 = (t / steps_per_call for t in _quartiles(timing["times"]))
+    cpu = statistics.median(timing["cpu"]) / steps_per_call
     flops = count_flops(
         args.vocab, args.width, args.heads, blocks, args.ff_width, args.seq, args.batch
     )
-    rss_after = _maxrss_mb()
     tokens = args.batch * args.seq
     note = {}
     if variant == "backprop" and args.learning != "all":
@@ -381,36 +460,103 @@ def _measure_variant(args: argparse.Namespace, variant: str, blocks: int) -> dic
         "first_call_s": timing["first"],
         "compile_only_s": max(timing["first"] - median * steps_per_call, 0.0),
         "compile_cpu_s": timing["first_cpu"],
-        "step_cpu_ms": statistics.median(timing["cpu"]) / steps_per_call * 1e3,
+        "step_cpu_ms": cpu * 1e3,
         "sys_fraction": timing["sys_fraction"],
         "page_faults_per_call": timing["page_faults"],
         "load_avg_1m": os.getloadavg()[0],
-        "peak_mb": rss_after,
-        "rss_growth_mb": rss_after - rss_before,
+        "peak_mb": rss[1],
+        "rss_growth_mb": rss[1] - rss[0],
         "device_peak_mb": _device_peak_mb(),
         "gflops": flops / median / 1e9,
-        "gflops_cpu": flops / statistics.median(timing["cpu"]) * steps_per_call / 1e9,
+        "gflops_cpu": flops / cpu / 1e9,
         "flops_per_step": flops,
-        "timed_steps": calls * steps_per_call,
+        "timed_steps": len(timing["times"]) * steps_per_call,
         "steps_per_call": steps_per_call,
         **_device_info(),
         **_config(args, blocks),
         **note,
     }
+    if profile is not None:
+        row["profile_ms_per_call"] = profile
     return row
 
 
+def _measure_variant(args: argparse.Namespace, variant: str, blocks: int) -> dict[str, Any]:
+    """Build, warm and time one variant in this process; returns its JSON row."""
+    rss_before = _maxrss_mb()
+    call, steps_per_call = _prepare_variant(args, variant, blocks)
+    calls = _timed_calls(args, steps_per_call)
+    timing = _time_calls(call, args.warmup, calls)
+    profile = _profile(call, 1 + args.warmup + calls) if args.profile else None
+    rss = (rss_before, _maxrss_mb())
+    return _variant_row(args, variant, blocks, timing, steps_per_call, rss, profile)
+
+
+def _measure_interleaved(
+    args: argparse.Namespace, variants: list[str], blocks: int
+) -> list[dict[str, Any]]:
+    """All variants in this process, their timed calls taken in turn (one call of each per
+    round), so that a load that comes and goes on a shared machine hits them alike.
+
+    Each variant is built and its first call (compilation) timed on its own first; `peak_mb`
+    is the growth of the maximum RSS over that phase."""
+    import jax
+
+    prepared, firsts, rss = {}, {}, {}
+    for variant in variants:
+        before = _maxrss_mb()
+        call, steps_per_call = _prepare_variant(args, variant, blocks)
+        t0, c0 = time.perf_counter(), time.process_time()
+        jax.block_until_ready(call(0))
+        firsts[variant] = (time.perf_counter() - t0, time.process_time() - c0)
+        for i in range(args.warmup):
+            jax.block_until_ready(call(1 + i))
+        prepared[variant] = (call, steps_per_call)
+        rss[variant] = (before, _maxrss_mb())
+    rounds = max(_timed_calls(args, spc) for _, spc in prepared.values())
+    times = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}
+    for r in range(rounds):
+        for variant, (call, steps_per_call) in prepared.items():
+            if r >= _timed_calls(args, steps_per_call):
+                continue
+            t0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(call(1 + args.warmup + r))
+            times[variant].append(time.perf_counter() - t0)
+            cpu[variant].append(time.process_time() - c0)
+    rows = []
+    for variant, (call, steps_per_call) in prepared.items():
+        timing = {
+            "first": firsts[variant][0],
+            "first_cpu": firsts[variant][1],
+            "times": times[variant],
+            "cpu": cpu[variant],
+            "sys_fraction": None,
+            "page_faults": None,
+        }
+        profile = None
+        if args.profile:
+            profile = _profile(call, 1 + args.warmup + rounds)
+        growth = rss[variant][1] - rss[variant][0]
+        row = _variant_row(
+            args, variant, blocks, timing, steps_per_call, (0.0, growth), profile
+        )
+        row["peak_method"] = "rss_growth_interleaved"
+        rows.append(row)
+    return rows
+
+
 def _memory_stats(compiled) -> dict[str, float] | None:
+    """A compiled program's memory: `total_mb` = arguments + outputs + temporaries - aliased
+    (what one call allocates), and XLA's own liveness-based `xla_peak_mb` where reported."""
     stats = compiled.memory_analysis()
     if stats is None:
         return None
     fields = ("argument", "output", "alias", "temp")
     out = {f"{f}_mb": getattr(stats, f"{f}_size_in_bytes") / 2**20 for f in fields}
+    out["total_mb"] = out["argument_mb"] + out["output_mb"] + out["temp_mb"] - out["alias_mb"]
     peak = getattr(stats, "peak_memory_in_bytes", None)
-    if peak is None:  # arguments and outputs live together, less what the outputs alias
-        peak = sum(getattr(stats, f"{f}_size_in_bytes") for f in ("argument", "output", "temp"))
-        peak -= stats.alias_size_in_bytes
-    out["peak_mb"] = peak / 2**20
+    out["xla_peak_mb"] = None if peak is None else peak / 2**20
     return out
 
 
@@ -422,7 +568,9 @@ def _measure_donation(args: argparse.Namespace, blocks: int) -> dict[str, Any]:
 
     setup = _Setup(args, blocks)
     config, part, _ = setup.build(scan=True)
-    pipeline = fusedpc.FusedPipeline(part, config.error_fn, mesh=setup.mesh)
+    pipeline = fusedpc.FusedPipeline(
+        part, config.error_fn, mesh=setup.mesh, nonfinite=args.nonfinite
+    )
     ids, targets = setup.batch(0)
     carry = (pipeline.state, pipeline._counters)
     donated = pipeline._step_jit.lower(carry, ids, targets).compile()
@@ -437,8 +585,8 @@ def _measure_donation(args: argparse.Namespace, blocks: int) -> dict[str, Any]:
         "state_mb": state_mb,
         "donated": with_donation,
         "not_donated": without,
-        "donated_peak_mb": None if with_donation is None else with_donation["peak_mb"],
-        "not_donated_peak_mb": None if without is None else without["peak_mb"],
+        "donated_peak_mb": None if with_donation is None else with_donation["total_mb"],
+        "not_donated_peak_mb": None if without is None else without["total_mb"],
         **_device_info(),
         **_config(args, blocks),
     }
@@ -495,14 +643,18 @@ def _worker_argv(args: argparse.Namespace, task: str, blocks: int) -> list[str]:
         "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--learning", args.learning, "--k", str(args.k), "--optimiser", args.optimiser,
         "--lr", repr(args.lr), "--devices", str(args.devices), "--seed", str(args.seed),
-        "--peak-sizes", ",".join(str(n) for n in args.peak_sizes), "--worker", task,
+        "--peak-sizes", ",".join(str(n) for n in args.peak_sizes),
+        "--nonfinite", args.nonfinite, "--worker", task,
     ]
+    if args.profile:
+        argv.append("--profile")
     return argv
 
 
 def _in_subprocess(args: argparse.Namespace, task: str, blocks: int) -> dict[str, Any]:
     command = [sys.executable, "-m", "fusedpc.bench", *_worker_argv(args, task, blocks)]
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
+    env = _with_device_flags(dict(os.environ), args.devices)  # this process's env untouched
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
         raise RuntimeError(
@@ -512,13 +664,15 @@ def _in_subprocess(args: argparse.Namespace, task: str, blocks: int) -> dict[str
     return json.loads(rows[-1])
 
 
-def _set_device_flags(n: int) -> None:
+def _with_device_flags(env: dict[str, str], n: int) -> dict[str, str]:
+    """`env` with `XLA_FLAGS` asking for `n` host-platform devices (unchanged for n = 1)."""
     if n <= 1:
-        return
-    flag = f"--xla_force_host_platform_device_count={n}"
-    flags = os.environ.get("XLA_FLAGS", "")
-    parts = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
-    os.environ["XLA_FLAGS"] = " ".join([*parts, flag])
+        return env
+    flags = [
+        f for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    return {**env, "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])}
 
 
 def _emit(row: dict[str, Any]) -> None:
@@ -595,7 +749,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
-    _set_device_flags(args.devices)  # before jax starts (workers: a fresh process)
+    if args.worker is not None or args.in_process or args.interleave:
+        # jax runs here: ask for the devices before it starts its backend (a worker is a
+        # fresh process that inherited the flag already; in-process it may be too late, and
+        # `_Setup` says so)
+        os.environ.update(_with_device_flags(dict(os.environ), args.devices))
 
     if args.worker is not None:
         _emit(run_task(args, args.worker, args.blocks[0]))
@@ -603,22 +761,40 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep = len(args.blocks) > 1
     tasks: list[tuple[str, int]] = []
-    if args.peak:
+    if args.peak or "peak" in args.variants:
         tasks.append(("peak", args.blocks[0]))
     for blocks in args.blocks:
         for variant in args.variants:
-            tasks.append((variant, blocks))
-    if not sweep and not args.no_donate_probe:
+            if variant not in PROBES:
+                tasks.append((variant, blocks))
+    if "donation" in args.variants or (not sweep and not args.no_donate_probe):
         tasks.append(("donation", args.blocks[0]))
 
     rows: list[dict[str, Any]] = []
     peak = None
+    if args.interleave:  # the measured variants of each depth at once, in this process
+        grouped: list[tuple[str, int]] = []
+        for task, blocks in tasks:
+            if task in PROBES:
+                grouped.append((task, blocks))
+            elif not any(t == "*" and b == blocks for t, b in grouped):
+                grouped.append(("*", blocks))
+        tasks = grouped
     for task, blocks in tasks:
-        if args.in_process:
+        if task == "*":
+            measured = [v for v in args.variants if v not in PROBES]
+            for row in _measure_interleaved(args, measured, blocks):
+                if peak is not None:
+                    row["peak_fraction"] = row["gflops"] / peak["peak_gflops"]
+                    row["peak_fraction_cpu"] = row["gflops_cpu"] / peak["peak_gflops_cpu"]
+                rows.append(row)
+                _emit(row)
+            continue
+        if args.in_process or args.interleave:
             row = run_task(args, task, blocks)
         else:
             row = _in_subprocess(args, task, blocks)
-        if args.in_process and "rss_growth_mb" in row:
+        if (args.in_process or args.interleave) and "rss_growth_mb" in row:
             row["peak_mb"] = row["rss_growth_mb"]
             row["peak_method"] = "rss_growth_in_process"
         elif "peak_mb" in row:
