@@ -187,13 +187,24 @@ def learning_metrics(
     input_error: Any,
     layer_sizes: tuple[int, ...],
 ) -> PartMetrics:
-    """The standard report of a learning part: norms of the update, error and weights."""
+    """The standard report of a learning part: norms of the update, error and weights.
+
+    `finite` is read off norms the report needs anyway (a NaN or infinity anywhere makes its
+    norm non-finite) rather than a separate pass over every array: the flag only *names* the
+    part in reports; whether a step is committed is decided by the executor's own check of
+    the whole new state. (A norm above ~1e19 overflows float32 and also reads as non-finite.)
+    """
     update = jax.tree_util.tree_map(lambda n, o: n - o, new_params, old_params)
+    update_norm = tree_norm(update)
+    weight_norm = tree_norm(new_params)
+    finite = jnp.isfinite(update_norm) & jnp.isfinite(weight_norm)
+    if input_error is not None:
+        finite = finite & jnp.isfinite(tree_norm(input_error))
     return PartMetrics(
-        update_norm=tree_norm(update),
+        update_norm=update_norm,
         error_norm=tree_norm(error),
-        weight_norm=tree_norm(new_params),
-        finite=all_finite((new_params, input_error)),
+        weight_norm=weight_norm,
+        finite=finite,
         layer_sizes=tuple(int(s) for s in layer_sizes),
     )
 
