@@ -67,7 +67,11 @@ def causal_mix(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax
     """
     t, d = q.shape[-2], q.shape[-1]
     scores = jnp.einsum("bhtd,bhsd->bhts", q, k) * (1.0 / math.sqrt(d))
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    # The mask depends on the scores (`| isnan`: a NaN score stays NaN, as it would anyway)
+    # so that XLA cannot hoist it out of `run`'s scan as a loop invariant: hoisted, it changes
+    # how the softmax kernel is compiled, and K `step`s and one K-step `run` would differ in
+    # the last bits.
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool)) | jnp.isnan(scores)
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("bhts,bhsd->bhtd", weights, v), weights
