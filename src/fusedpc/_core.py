@@ -156,10 +156,17 @@ def expect_rank(path: str, x: Any, rank: int, layout: str, what: str = "input") 
         )
 
 
+def leaf_finite(leaf: Any) -> jax.Array:
+    """Whether every entry of one leaf is finite (integer and key leaves always are)."""
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+        return jnp.all(jnp.isfinite(leaf))
+    return jnp.array(True)
+
+
 def all_finite(tree: PyTree) -> jax.Array:
     """One boolean: every inexact leaf of `tree` is finite (integer leaves always are)."""
     leaves = [
-        jnp.all(jnp.isfinite(leaf))
+        leaf_finite(leaf)
         for leaf in jax.tree_util.tree_leaves(tree)
         if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
     ]

@@ -20,6 +20,7 @@ from ._core import (
     all_finite,
     display_path,
     iter_metrics,
+    leaf_finite,
 )
 
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
@@ -55,13 +56,6 @@ def copy_tree(tree: PyTree) -> PyTree:
     return jax.tree_util.tree_map(
         lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array | np.ndarray) else a, tree
     )
-
-
-def _leaf_finite(leaf: Any) -> jax.Array:
-    """Whether every entry of a leaf is finite (integer and key leaves always are)."""
-    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-        return jnp.all(jnp.isfinite(leaf))
-    return jnp.array(True)
 
 
 def _check_array(value: Any, name: str) -> None:
@@ -212,7 +206,7 @@ class FusedPipeline:
         else:
             loss = self.error_fn.loss(y, target).astype(jnp.float32)
         # One flag per state leaf (kept in the metrics to name a bad leaf), then one for all.
-        state_finite = jax.tree_util.tree_map(_leaf_finite, new_state)
+        state_finite = jax.tree_util.tree_map(leaf_finite, new_state)
         finite = jnp.stack(
             [*jax.tree_util.tree_leaves(state_finite), all_finite((y, input_error))]
         ).all()
