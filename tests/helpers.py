@@ -27,6 +27,21 @@ from fusedpc._activations import ACTIVATIONS
 PyTree = Any
 
 
+# --------------------------------------------------------------------------- optimisers
+def capture_gradients() -> optax.GradientTransformation:
+    """An 'optimiser' that keeps the gradient it is fed as its state and updates nothing."""
+
+    def init(params):
+        return jax.tree_util.tree_map(jnp.zeros_like, params)
+
+    def update(grads, state, params=None):
+        del state, params
+        return jax.tree_util.tree_map(jnp.zeros_like, grads), grads
+
+    return optax.GradientTransformation(init, update)
+
+
+
 # --------------------------------------------------------------------------- tolerances
 def _leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
     return [

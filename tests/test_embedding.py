@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_allclose, norm_rel_error, normal
+from helpers import assert_tree_allclose, capture_gradients, norm_rel_error, normal
 
 from fusedpc import (
     FusedPipeline,
@@ -33,19 +33,6 @@ TABLE = normal(0, (V, D))
 
 def host(tree):
     return jax.tree_util.tree_map(np.array, tree)
-
-
-def capture_gradients() -> optax.GradientTransformation:
-    """An 'optimiser' that keeps the gradient it is fed as its state and updates nothing."""
-
-    def init(params):
-        return jax.tree_util.tree_map(jnp.zeros_like, params)
-
-    def update(grads, state, params=None):
-        del state, params
-        return jax.tree_util.tree_map(jnp.zeros_like, grads), grads
-
-    return optax.GradientTransformation(init, update)
 
 
 # --------------------------------------------------------------------------- embedding

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_allclose, norm_rel_error, normal
+from helpers import assert_tree_allclose, capture_gradients, norm_rel_error, normal
 
 from fusedpc import FusedPipeline, LearningNetwork, PCNetwork
 
@@ -142,19 +142,6 @@ def with_precisions(state, precisions):
         for p, old in zip(precisions, state.precisions)
     )
     return eqx.tree_at(lambda s: s.precisions, state, precisions)
-
-
-def capture_gradients() -> optax.GradientTransformation:
-    """An 'optimiser' that keeps the gradient it is fed as its state and updates nothing."""
-
-    def init(params):
-        return jax.tree_util.tree_map(jnp.zeros_like, params)
-
-    def update(grads, state, params=None):
-        del state, params
-        return jax.tree_util.tree_map(jnp.zeros_like, grads), grads
-
-    return optax.GradientTransformation(init, update)
 
 
 def batch(seed, rows, in_width, out_width):
