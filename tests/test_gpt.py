@@ -149,6 +149,32 @@ def test_scanned_gpt_equals_unrolled(key):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+def test_scan_auto_unrolls_few_blocks_and_scans_many(key):
+    from fusedpc._gpt_build import AUTO_UNROLL_BLOCKS
+
+    def blocks(n_blocks, **kw):
+        config = fusedpc.GPTConfig(**{**TINY, "n_blocks": n_blocks}, **kw)
+        return fusedpc.build_gpt(config, None, key)[0].blocks
+
+    assert fusedpc.GPTConfig().scan == "auto"
+    few, many = blocks(AUTO_UNROLL_BLOCKS), blocks(AUTO_UNROLL_BLOCKS + 1)
+    assert isinstance(few, fusedpc.Repeat) and few.unroll
+    assert isinstance(many, fusedpc.Repeat) and not many.unroll
+    assert not blocks(2, scan=True).unroll
+    assert isinstance(blocks(2, scan=False), tuple)
+    # the unrolled Repeat keeps the scanned one's state layout: its states load into it
+    scanned = fusedpc.FusedPipeline(blocks(2, scan=True))
+    unrolled = fusedpc.FusedPipeline(blocks(2))
+    assert jax.tree_util.tree_structure(scanned.state) == jax.tree_util.tree_structure(
+        unrolled.state
+    )
+    with pytest.raises(ValueError, match="scan must be True, False or 'auto', got 'yes'"):
+        fusedpc.GPTConfig(**TINY, scan="yes").validate()
+    gpt = fusedpc.models.GPT(11, 16, 4, 1, 32, 8, key=key)
+    with pytest.raises(ValueError, match="scan must be True, False or 'auto', got 'never'"):
+        fusedpc.hybrid_from_gpt(gpt, scan="never")
+
+
 def _step_equations(n_blocks, scan=True):
     config = fusedpc.GPTConfig(**{**TINY, "n_blocks": n_blocks}, learn="all", scan=scan)
     part, _ = fusedpc.build_gpt(config, optax.adam(1e-3), jax.random.key(0))

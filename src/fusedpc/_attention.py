@@ -36,8 +36,8 @@ class AttentionState(eqx.Module):
 
 
 class AttentionCache(eqx.Module):
-    """What the backward reads: the slots' caches, the heads `(B, H, T, d)` of Q, K, V and the
-    attention weights `A` `(B, H, T, T)`."""
+    """What the backward reads: the slots' caches, Q as rows `(B, T, D)`, the heads
+    `(B, H, T, d)` of K and V and the attention weights `A` `(B, H, T, T)`."""
 
     slots: dict[str, PyTree]
     q: jax.Array
@@ -56,6 +56,18 @@ def _merge_heads(y: jax.Array) -> jax.Array:
     """`(B, H, T, d)` -> `(B, T, H d)`, heads in order."""
     b, h, t, d = y.shape
     return y.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+
+
+def _split_heads_transposed(y: jax.Array, n_heads: int) -> jax.Array:
+    """`(B, T, D)` -> `(B, H, D/H, T)`: the heads of `_split_heads`, each transposed."""
+    b, t, width = y.shape
+    return y.reshape(b, t, n_heads, width // n_heads).transpose(0, 2, 3, 1)
+
+
+def _merge_heads_transposed(y: jax.Array) -> jax.Array:
+    """`(B, H, d, T)` -> `(B, T, H d)`: undoes `_split_heads_transposed`."""
+    b, h, d, t = y.shape
+    return y.transpose(0, 3, 1, 2).reshape(b, t, h * d)
 
 
 def causal_mix(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -85,15 +97,42 @@ def causal_mix_backward(
     $dA = dC\\, V^\\top$, $dV = A^\\top dC$,
     $dS = A \\odot (dA - \\textstyle\\sum_s dA \\odot A) / \\sqrt d$, $dQ = dS\\, K$,
     $dK = dS^\\top Q$. Masked entries have $A = 0$, hence $dS = 0$: nothing flows to the future.
+    (Per-head front end of `causal_mix_backward_rows`, which the attention part calls.)
     """
-    d = q.shape[-1]
-    d_weights = jnp.einsum("bhtd,bhsd->bhts", error, v)
-    d_v = jnp.einsum("bhts,bhtd->bhsd", weights, error)
+    n_heads = q.shape[1]
+    d_q, d_k, d_v = causal_mix_backward_rows(
+        _merge_heads(q), k, v, weights, _merge_heads(error), n_heads
+    )
+    return tuple(_split_heads(a, n_heads) for a in (d_q, d_k, d_v))
+
+
+def causal_mix_backward_rows(
+    q_rows: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    weights: jax.Array,
+    error_rows: jax.Array,
+    n_heads: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`causal_mix_backward` with Q, dC and the results as rows `(B, T, D)` (K, V, A per head).
+
+    Every product is written so that the operand it contracts over its rows ($A^\\top dC$ and
+    $dS^\\top Q$) arrives transposed from the head split itself: $dV^\\top = dC^\\top A$ and
+    $dK^\\top = Q^\\top dS$ with $dC^\\top$, $Q^\\top$ split straight to `(B, H, d, T)` and the
+    results merged straight back. The head split and merge are transposes anyway, so this
+    costs nothing extra, and each of the six products has the row-major form XLA:CPU hands
+    to its fast matmul library; written as $A^\\top dC$ they fall back to a generic batched
+    dot about twice as slow (docs/performance.md).
+    """
+    d = k.shape[-1]
+    d_context = _split_heads(error_rows, n_heads)
+    d_weights = jnp.einsum("bhtd,bhsd->bhts", d_context, v)
+    d_v_t = jnp.einsum("bhdt,bhts->bhds", _split_heads_transposed(error_rows, n_heads), weights)
     centred = d_weights - jnp.sum(d_weights * weights, axis=-1, keepdims=True)
     d_scores = weights * centred * (1.0 / math.sqrt(d))
     d_q = jnp.einsum("bhts,bhsd->bhtd", d_scores, k)
-    d_k = jnp.einsum("bhts,bhtd->bhsd", d_scores, q)
-    return d_q, d_k, d_v
+    d_k_t = jnp.einsum("bhdt,bhts->bhds", _split_heads_transposed(q_rows, n_heads), d_scores)
+    return _merge_heads(d_q), _merge_heads_transposed(d_k_t), _merge_heads_transposed(d_v_t)
 
 
 class MultiHeadAttention(AbstractPart):
@@ -247,20 +286,20 @@ class MultiHeadAttention(AbstractPart):
                     f"{where}: n_heads={n_heads} does not divide the width {width} of Q, K and "
                     f"V; choose n_heads dividing {width} or change the slots' output width."
                 )
+            q_rows = q
             q, k, v = (_split_heads(a, n_heads) for a in (q, k, v))
             context, weights = causal_mix(q, k, v)
             y, caches["wo"] = cores["wo"].forward(state.wo, _merge_heads(context))
-            return y, AttentionCache(slots=caches, q=q, k=k, v=v, weights=weights)
+            return y, AttentionCache(slots=caches, q=q_rows, k=k, v=v, weights=weights)
 
         def backward(state: AttentionState, cache: AttentionCache, error):
             new_states, metrics = {}, {}
             d_context, new_states["wo"], metrics["wo"] = cores["wo"].backward(
                 state.wo, cache.slots["wo"], error
             )
-            d_heads = causal_mix_backward(
-                cache.q, cache.k, cache.v, cache.weights, _split_heads(d_context, n_heads)
+            d_q, d_k, d_v = causal_mix_backward_rows(
+                cache.q, cache.k, cache.v, cache.weights, d_context, n_heads
             )
-            d_q, d_k, d_v = (_merge_heads(a) for a in d_heads)
             if self.fused:
                 input_error, new_states["wqkv"], metrics["wqkv"] = cores["wqkv"].backward(
                     state.wqkv, cache.slots["wqkv"], jnp.concatenate([d_q, d_k, d_v], axis=-1)

@@ -8,8 +8,10 @@ Variants (each measured on the same config, weights and batches):
   (`fusedpc._unfused`), so errors pass between parts through the host dispatch loop;
 * `backprop`: the reference equinox GPT trained by `jax.value_and_grad` and the same optax
   optimiser, state donated (`fusedpc.models.make_backprop_step`);
-* `fused_unrolled`, `fused_run_unrolled`: `fused` and `fused_run` with the blocks unrolled
-  (`GPTConfig(scan=False)`) instead of scanned (the default of `build_gpt`).
+* `fused_scan`, `fused_run_scan`: `fused` and `fused_run` with the blocks always scanned
+  (`GPTConfig(scan=True)`); `fused_unrolled`, `fused_run_unrolled`: with the blocks as a tuple,
+  unrolled (`GPTConfig(scan=False)`). `fused` and `fused_run` use `build_gpt`'s default,
+  `scan="auto"` (a `Repeat` unrolled up to 4 blocks, scanned beyond).
 
 `--blocks 1,2,4,8,16` runs a depth sweep instead: `fused_scan` (blocks in a `Repeat`, one
 scanned block) and `fused_unrolled` (blocks unrolled in Python) at each depth. `--peak` adds
@@ -55,8 +57,11 @@ import sys
 import time
 from typing import Any
 
+from ._host_memory import host_memory_reused, reuse_host_memory
+
 VARIANTS = ("fused", "fused_run", "unfused", "backprop")
 UNROLLED_VARIANTS = ("fused_unrolled", "fused_run_unrolled")
+SCANNED_VARIANTS = ("fused_scan", "fused_run_scan")
 SWEEP_VARIANTS = ("fused_scan", "fused_unrolled")
 PROBES = ("peak", "donation")
 OPTIMISERS = ("adam", "adamw", "sgd")
@@ -77,7 +82,7 @@ def _int_list(text: str) -> list[int]:
 
 def _variant_list(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
-    allowed = VARIANTS + UNROLLED_VARIANTS + SWEEP_VARIANTS[:1] + PROBES
+    allowed = VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + PROBES
     unknown = [v for v in values if v not in allowed]
     if unknown or not values:
         raise argparse.ArgumentTypeError(
@@ -115,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--variants", type=_variant_list, default=None,
         help="comma-separated variants: fused,fused_run,unfused,backprop (the default), "
-        "fused_unrolled,fused_run_unrolled (blocks unrolled instead of scanned), fused_scan "
-        "(= fused; the sweep's default is fused_scan,fused_unrolled); the probes peak and "
+        "fused_scan,fused_run_scan (blocks always scanned), fused_unrolled,fused_run_unrolled "
+        "(blocks a tuple, unrolled); fused and fused_run use build_gpt's scan='auto' (the "
+        "sweep's default is fused_scan,fused_unrolled); the probes peak and "
         "donation may be named too (--variants donation runs the donation probe alone)",
     )
     p.add_argument(
@@ -151,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--interleave", action="store_true",
         help="build every variant in this process and time their calls in turn (one call of "
         "each per round): fairer ratios on a shared machine; peak_mb is then an RSS growth",
+    )
+    p.add_argument(
+        "--system-allocator", action="store_true",
+        help="leave the C allocator's defaults (by default every measuring process first calls "
+        "fusedpc.reuse_host_memory(), as `fusedpc train` does: freed host memory is kept for "
+        "the next step instead of being unmapped and faulted in again)",
     )
     p.add_argument("--seed", type=int, default=0, help="PRNG seed of weights and batches")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -211,6 +223,7 @@ def _device_info() -> dict[str, Any]:
         # what would make compile times incomparable: optimisation flags, a warm disk cache
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "compilation_cache": bool(jax.config.jax_compilation_cache_dir),
+        "host_memory_reused": host_memory_reused(),
     }
 
 
@@ -366,6 +379,28 @@ def _quartiles(times: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(times), q[2]
 
 
+def _variant_scan(variant: str) -> bool | str:
+    """The `GPTConfig.scan` a fused variant is built with."""
+    if variant in SCANNED_VARIANTS:
+        return True
+    if variant in UNROLLED_VARIANTS:
+        return False
+    return "auto"
+
+
+def _blocks_form(variant: str, blocks: int) -> str:
+    """How a fused variant runs its blocks: "scanned", "unrolled" (an unrolled `Repeat`,
+    what `scan="auto"` gives for few blocks) or "tuple" (`scan=False`)."""
+    from fusedpc._gpt_build import AUTO_UNROLL_BLOCKS
+
+    scan = _variant_scan(variant)
+    if scan is False:
+        return "tuple"
+    if scan == "auto" and blocks <= AUTO_UNROLL_BLOCKS:
+        return "unrolled"
+    return "scanned"
+
+
 def _prepare_variant(args: argparse.Namespace, variant: str, blocks: int):
     """Build one variant; returns `(call, steps_per_call)` with `call(i)` running one call on
     batch `i` and returning what to block on."""
@@ -377,12 +412,12 @@ def _prepare_variant(args: argparse.Namespace, variant: str, blocks: int):
     from fusedpc.models import make_backprop_step
 
     setup = _Setup(args, blocks)
-    if variant in ("fused", "fused_scan", "fused_run", *UNROLLED_VARIANTS):
-        config, part, _ = setup.build(scan=variant not in UNROLLED_VARIANTS)
+    if variant in ("fused", "fused_run", *SCANNED_VARIANTS, *UNROLLED_VARIANTS):
+        config, part, _ = setup.build(scan=_variant_scan(variant))
         pipeline = fusedpc.FusedPipeline(
             part, config.error_fn, mesh=setup.mesh, nonfinite=args.nonfinite
         )
-        if variant in ("fused_run", "fused_run_unrolled"):
+        if variant in ("fused_run", "fused_run_scan", "fused_run_unrolled"):
 
             def run_call(i):
                 pipeline.run(setup.run_ids, setup.run_targets, keep_outputs=False)
@@ -472,6 +507,7 @@ def _variant_row(
         "flops_per_step": flops,
         "timed_steps": len(timing["times"]) * steps_per_call,
         "steps_per_call": steps_per_call,
+        **({"blocks_form": _blocks_form(variant, blocks)} if variant.startswith("fused") else {}),
         **_device_info(),
         **_config(args, blocks),
         **note,
@@ -567,7 +603,7 @@ def _measure_donation(args: argparse.Namespace, blocks: int) -> dict[str, Any]:
     import fusedpc
 
     setup = _Setup(args, blocks)
-    config, part, _ = setup.build(scan=True)
+    config, part, _ = setup.build(scan="auto")  # as `fused`
     pipeline = fusedpc.FusedPipeline(
         part, config.error_fn, mesh=setup.mesh, nonfinite=args.nonfinite
     )
@@ -587,6 +623,7 @@ def _measure_donation(args: argparse.Namespace, blocks: int) -> dict[str, Any]:
         "not_donated": without,
         "donated_peak_mb": None if with_donation is None else with_donation["total_mb"],
         "not_donated_peak_mb": None if without is None else without["total_mb"],
+        "blocks_form": _blocks_form("fused", blocks),
         **_device_info(),
         **_config(args, blocks),
     }
@@ -648,6 +685,8 @@ def _worker_argv(args: argparse.Namespace, task: str, blocks: int) -> list[str]:
     ]
     if args.profile:
         argv.append("--profile")
+    if args.system_allocator:
+        argv.append("--system-allocator")
     return argv
 
 
@@ -750,6 +789,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     if args.worker is not None or args.in_process or args.interleave:
+        if not args.system_allocator:
+            reuse_host_memory()  # before jax starts its threads: see fusedpc._host_memory
         # jax runs here: ask for the devices before it starts its backend (a worker is a
         # fresh process that inherited the flag already; in-process it may be too late, and
         # `_Setup` says so)

@@ -133,6 +133,9 @@ def build_parser() -> _Parser:
 
 def _train(args: argparse.Namespace) -> int:
     from . import _train as training
+    from ._host_memory import reuse_host_memory
+
+    reuse_host_memory()  # before jax computes anything: see fusedpc._host_memory
 
     overrides = {
         _field(flag): getattr(args, _field(flag))
