@@ -125,11 +125,12 @@ def causal_mix_backward_rows(
     dot about twice as slow (docs/performance.md).
     """
     d = k.shape[-1]
-    d_context = _split_heads(error_rows, n_heads)
-    d_weights = jnp.einsum("bhtd,bhsd->bhts", d_context, v)
+    # dS carries the 1/sqrt(d) of the scores; it is applied to dC (T d entries per head)
+    # rather than to dA or dS (T T each), where XLA:CPU would materialise it as a full array.
+    scaled = _split_heads(error_rows * (1.0 / math.sqrt(d)), n_heads)
+    d_weights = jnp.einsum("bhtd,bhsd->bhts", scaled, v)  # dA / sqrt(d)
     d_v_t = jnp.einsum("bhdt,bhts->bhds", _split_heads_transposed(error_rows, n_heads), weights)
-    centred = d_weights - jnp.sum(d_weights * weights, axis=-1, keepdims=True)
-    d_scores = weights * centred * (1.0 / math.sqrt(d))
+    d_scores = weights * (d_weights - jnp.sum(d_weights * weights, axis=-1, keepdims=True))
     d_q = jnp.einsum("bhts,bhsd->bhtd", d_scores, k)
     d_k_t = jnp.einsum("bhdt,bhts->bhds", _split_heads_transposed(q_rows, n_heads), d_scores)
     return _merge_heads(d_q), _merge_heads_transposed(d_k_t), _merge_heads_transposed(d_v_t)
