@@ -57,7 +57,14 @@ import sys
 import time
 from typing import Any
 
-from ._host_memory import host_memory_reused, reuse_host_memory
+from ._host_memory import (
+    HOST_MEMORY_MODES,
+    gpt_step_temporaries,
+    host_memory_choice,
+    host_memory_env,
+    host_memory_reused,
+    wants_host_memory_reuse,
+)
 
 VARIANTS = ("fused", "fused_run", "unfused", "backprop")
 UNROLLED_VARIANTS = ("fused_unrolled", "fused_run_unrolled")
@@ -159,10 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
         "each per round): fairer ratios on a shared machine; peak_mb is then an RSS growth",
     )
     p.add_argument(
-        "--system-allocator", action="store_true",
-        help="leave the C allocator's defaults (by default every measuring process first calls "
-        "fusedpc.reuse_host_memory(), as `fusedpc train` does: freed host memory is kept for "
-        "the next step instead of being unmapped and faulted in again)",
+        "--host-memory", choices=HOST_MEMORY_MODES, default="auto",
+        help="host allocator of every measuring process, as `fusedpc train --host-memory`: "
+        "reuse (fusedpc.reuse_host_memory(): freed host memory kept for the next step instead "
+        "of unmapped and faulted in again), system (the C library's defaults) or auto (reuse "
+        "when the step's estimated temporaries reach 128 MiB; the default)",
     )
     p.add_argument("--seed", type=int, default=0, help="PRNG seed of weights and batches")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -386,6 +394,19 @@ def _variant_scan(variant: str) -> bool | str:
     if variant in UNROLLED_VARIANTS:
         return False
     return "auto"
+
+
+def _step_temporaries(args: argparse.Namespace) -> int:
+    """`gpt_step_temporaries` of the deepest config measured (all depths share the choice)."""
+    return gpt_step_temporaries(
+        batch=args.batch, seq=args.seq, width=args.width, heads=args.heads,
+        blocks=max(args.blocks), ff_width=args.ff_width,
+    )
+
+
+def _reuse_host_memory(args: argparse.Namespace) -> bool:
+    """Whether `--host-memory` asks the measuring processes to reuse host memory."""
+    return wants_host_memory_reuse(args.host_memory, _step_temporaries(args))
 
 
 def _blocks_form(variant: str, blocks: int) -> str:
@@ -685,14 +706,15 @@ def _worker_argv(args: argparse.Namespace, task: str, blocks: int) -> list[str]:
     ]
     if args.profile:
         argv.append("--profile")
-    if args.system_allocator:
-        argv.append("--system-allocator")
+    argv += ["--host-memory", args.host_memory]
     return argv
 
 
 def _in_subprocess(args: argparse.Namespace, task: str, blocks: int) -> dict[str, Any]:
     command = [sys.executable, "-m", "fusedpc.bench", *_worker_argv(args, task, blocks)]
     env = _with_device_flags(dict(os.environ), args.devices)  # this process's env untouched
+    if _reuse_host_memory(args):
+        env.update(host_memory_env())  # read by glibc when the worker starts: see _host_memory
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
@@ -789,8 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     if args.worker is not None or args.in_process or args.interleave:
-        if not args.system_allocator:
-            reuse_host_memory()  # before jax starts its threads: see fusedpc._host_memory
+        if args.worker is None:  # a worker has its allocator from its environment
+            host_memory_choice(args.host_memory, _step_temporaries(args))
         # jax runs here: ask for the devices before it starts its backend (a worker is a
         # fresh process that inherited the flag already; in-process it may be too late, and
         # `_Setup` says so)

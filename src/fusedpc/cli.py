@@ -12,6 +12,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from ._host_memory import HOST_MEMORY_MODES, gpt_step_temporaries, host_memory_choice
+
 __all__ = ["build_parser", "main"]
 
 # Flags that set a `TrainConfig` field: (flag, help). The field is the flag's name with
@@ -103,6 +105,10 @@ def build_parser() -> _Parser:
                        help="JAX compilation cache folder, reused by later runs (default "
                        "$FUSEDPC_CACHE or ~/.cache/fusedpc/jax); 'none' leaves JAX's own "
                        "setting")
+    train.add_argument("--host-memory", choices=HOST_MEMORY_MODES, default="auto",
+                       help="reuse: keep freed host memory for the next step "
+                       "(fusedpc.reuse_host_memory); system: the C library's defaults; auto "
+                       "(default): reuse when a step's estimated temporaries reach 128 MiB")
     train.set_defaults(handler=_train)
 
     report = commands.add_parser(
@@ -133,9 +139,6 @@ def build_parser() -> _Parser:
 
 def _train(args: argparse.Namespace) -> int:
     from . import _train as training
-    from ._host_memory import reuse_host_memory
-
-    reuse_host_memory()  # before jax computes anything: see fusedpc._host_memory
 
     overrides = {
         _field(flag): getattr(args, _field(flag))
@@ -161,6 +164,14 @@ def _train(args: argparse.Namespace) -> int:
         except RuntimeError as err:
             raise ValueError(str(err)) from None
     training.enable_compile_cache(args.compile_cache)
+    # before jax computes anything: see fusedpc._host_memory
+    host_memory_choice(
+        args.host_memory,
+        gpt_step_temporaries(
+            batch=config.batch, seq=config.seq, width=config.width, heads=config.heads,
+            blocks=config.blocks, ff_width=config.ff_width,
+        ),
+    )
     result = training.train(config, args.out, resume_from=args.resume)
     import jax
 
