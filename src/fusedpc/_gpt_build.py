@@ -98,11 +98,12 @@ def hybrid_from_gpt(
     `scan=False`, or blocks that differ, give a tuple of independent blocks.
     `output="probabilities"` marks a categorical head.
 
-    Why "auto": for a few blocks the unrolled program compiles faster and steps faster (on
-    CPU the scan zero-fills and copies its stacked caches: 10 % of the step at 4 blocks of
-    width 256); from about 8 blocks on the scan costs nothing per step and keeps compile time
-    flat (docs/performance.md). Unrolled or scanned, a `Repeat` has the same state layout, so
-    checkpoints move between the two.
+    Why "auto": for a few blocks the unrolled program steps faster (on CPU the scan
+    zero-fills and copies its stacked caches: 10 % of the step at 4 blocks of width 256), at
+    some compile time (4 blocks of width 256: ~8.5 s against ~6 s); from about 8 blocks on
+    the scan costs nothing per step and keeps compile time flat (docs/performance.md).
+    Unrolled or scanned, a `Repeat` has the same state layout, so checkpoints move between
+    the two.
     """
     if scan not in (True, False, "auto"):
         raise ValueError(f"hybrid_from_gpt: scan must be True, False or 'auto', got {scan!r}.")
