@@ -16,6 +16,9 @@ from fusedpc._attention import (
     MultiHeadAttention,
     causal_mix,
     causal_mix_backward,
+    causal_mix_backward_rows,
+    causal_mix_tiles,
+    causal_tiles_for,
 )
 from fusedpc.models import CausalSelfAttention
 
@@ -129,6 +132,57 @@ def test_mixing_backward_matches_vjp_for_each_of_q_k_v():
     for got, want in zip(causal_mix_backward(q, k, v, weights, d_context), vjp(d_context)):
         assert_tree_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert_tree_allclose(jnp.sum(weights, axis=-1), jnp.ones((B, H, T)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("tiles", [2, 4])
+def test_causal_tiles_equal_the_whole_mixing_and_its_vjp(tiles):
+    seq, heads, d = 8, 2, 4
+    q, k, v = (jr.normal(jr.key(i), (B, heads, seq, d)) for i in range(3))
+    d_context = jr.normal(jr.key(3), (B, heads, seq, d))
+    context, weights = causal_mix(q, k, v)
+    tiled_context, tiled_weights = causal_mix_tiles(q, k, v, tiles)
+    assert_tree_allclose(tiled_context, context, rtol=1e-5, atol=1e-6)
+    size = seq // tiles
+    assert [w.shape for w in tiled_weights] == [
+        (B, heads, size, (i + 1) * size) for i in range(tiles)
+    ]
+    for i, w in enumerate(tiled_weights):  # each tile: its rows of A, over its key prefix
+        block = weights[..., i * size : (i + 1) * size, : (i + 1) * size]
+        assert_tree_allclose(w, block, rtol=1e-5, atol=1e-6)
+        assert not np.any(np.asarray(weights[..., i * size : (i + 1) * size, (i + 1) * size :]))
+
+    def rows(a):
+        return a.transpose(0, 2, 1, 3).reshape(B, seq, heads * d)
+
+    got = causal_mix_backward_rows(rows(q), k, v, tiled_weights, rows(d_context), heads)
+    _, vjp = jax.vjp(lambda a, b, c: causal_mix(a, b, c)[0], q, k, v)
+    for g, want in zip(got, vjp(d_context), strict=True):
+        assert_tree_allclose(g, rows(want), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_part_in_causal_tiles_equals_one_tile():
+    ref, seq = reference(), 8
+    x, error = batch(1, (B, seq, D)), batch(2, (B, seq, D))
+    runs = {}
+    for tiles in (1, 2, 4):
+        part = frozen_attention(ref, False)
+        part = MultiHeadAttention(
+            wq=part.wq, wk=part.wk, wv=part.wv, wo=part.wo, n_heads=H, causal_tiles=tiles
+        )
+        runs[tiles] = run_part(part, x, error)
+    for tiles in (2, 4):
+        assert_tree_allclose(runs[tiles][2], runs[1][2], rtol=1e-5, atol=1e-6)
+        assert_tree_allclose(runs[tiles][3][0], runs[1][3][0], rtol=1e-5, atol=1e-6)
+    # and the part's backward is still the vjp of its forward
+    core, state, _, (input_error, _, _) = runs[4]
+    _, vjp = jax.vjp(lambda inp: core.forward(state, inp)[0], x)
+    assert_tree_allclose(input_error, vjp(error)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_causal_tiles_by_default_follow_the_sequence_length():
+    assert [causal_tiles_for(n) for n in (8, 63, 64, 66, 127, 128, 130, 256)] == [
+        1, 1, 2, 2, 1, 4, 2, 4
+    ]
 
 
 def test_fused_equals_separate_frozen():
@@ -255,6 +309,9 @@ def test_construction_errors():
         MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin, n_heads=0)
     with pytest.raises(TypeError, match="n_heads must be an int, got float"):
         MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin, n_heads=2.0)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"causal_tiles must be None .* got {bad!r}"):
+            MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin, causal_tiles=bad)
     with pytest.raises(TypeError, match=r"MultiHeadAttention\.wv: expected a part"):
         MultiHeadAttention(wq=lin, wk=lin, wv=eqx.nn.Linear(D, D, key=jr.key(0)), wo=lin)
 
@@ -278,6 +335,12 @@ def test_trace_errors_name_the_path():
     narrow_k = MultiHeadAttention(wq=lin, wk=_linear(6, D), wv=lin, wo=lin, n_heads=H)
     with pytest.raises(ValueError, match=r"net\.attention: .*same width.*'wk': 6"):
         _trace(narrow_k, batch())
+
+    thirds = MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin, n_heads=H, causal_tiles=3)
+    with pytest.raises(
+        ValueError, match=r"net\.attention: causal_tiles=3 does not divide the sequence length 5"
+    ):
+        _trace(thirds, batch())
 
     fused = MultiHeadAttention(wqkv=_linear(10, D), wo=lin, n_heads=H)
     with pytest.raises(ValueError, match=r"net\.attention: .*width 10 is not divisible by 3"):

@@ -114,16 +114,16 @@ import json
 import jax, numpy as np, optax
 import fusedpc
 
-def check(n_blocks, steps, batch):
+def check(n_blocks, steps, batch, seq=8):
     config = fusedpc.GPTConfig(vocab_size=11, width=16, n_heads=2, n_blocks=n_blocks,
-                               ff_width=32, max_len=8)
+                               ff_width=32, max_len=seq)
 
     def pipeline():
         part, _ = fusedpc.build_gpt(config, optax.adam(1e-2), jax.random.key(0))
         return fusedpc.FusedPipeline(part, config.error_fn)
 
     rng = np.random.default_rng(0)
-    xs = rng.integers(0, 11, (steps, batch, 8)).astype(np.int32)
+    xs = rng.integers(0, 11, (steps, batch, seq)).astype(np.int32)
     ts = (xs + 1) % 11
     stepped, losses = pipeline(), []
     for x, t in zip(xs, ts):
@@ -138,7 +138,8 @@ def check(n_blocks, steps, batch):
         "falls": bool(losses[-1] < losses[0]),
     }
 
-print(json.dumps([check(1, 10, 2), check(2, 12, 4)]))
+# seq 64 and 128: the attention runs in 2 and 4 causal tiles (causal_tiles_for)
+print(json.dumps([check(1, 10, 2), check(2, 12, 4), check(1, 6, 2, 64), check(1, 4, 1, 128)]))
 """
 
 
@@ -165,8 +166,9 @@ def test_gpt_step_versus_run_is_bit_identical():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
-    # the 1-block case is the one that drifted before the fix (the other is a second shape)
-    assert outcome == [{"losses": True, "state": True, "falls": True}] * 2
+    # the 1-block case is the one that drifted before the fix (the others: other shapes, and
+    # attention in 2 and 4 causal tiles)
+    assert outcome == [{"losses": True, "state": True, "falls": True}] * 4
 
 
 def test_different_seeds_differ():
