@@ -84,8 +84,10 @@ def causal_tiles_for(seq_len: int) -> int:
 
 
 def _tile_bounds(seq_len: int, tiles: int) -> list[tuple[int, int]]:
-    size = seq_len // tiles
-    return [(i * size, (i + 1) * size) for i in range(tiles)]
+    """`[start, stop)` of each query tile: `min(tiles, seq_len)` tiles whose sizes differ by
+    at most one (equal when `tiles` divides `seq_len`)."""
+    n = min(tiles, seq_len)
+    return [(i * seq_len // n, (i + 1) * seq_len // n) for i in range(n)]
 
 
 def causal_mix_tiles(
@@ -93,8 +95,9 @@ def causal_mix_tiles(
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """`causal_mix` computed by query tiles: returns `C` and the tiles' attention weights.
 
-    The T queries are split into `tiles` equal tiles; tile $i$ (rows $[a_i, b_i)$) attends to
-    the key prefix $[0, b_i)$ only, since every later key is masked for it. Its weights
+    The T queries are split into `tiles` tiles (equal when `tiles` divides T, sizes one apart
+    otherwise; at most T tiles); tile $i$ (rows $[a_i, b_i)$) attends to the key prefix
+    $[0, b_i)$ only, since every later key is masked for it. Its weights
     $A_i$ have shape `(B, H, b_i - a_i, b_i)`; the masked upper-right blocks of $A$, a fraction
     $(n - 1) / 2n$ of it, are never computed. Per row, the same numbers as `causal_mix` up to
     float32 rounding (the softmax of a row sums over its prefix instead of the whole row, the
@@ -116,7 +119,7 @@ def causal_mix_tiles(
         tile_weights = jax.nn.softmax(scores, axis=-1)
         contexts.append(jnp.einsum("bhts,bhsd->bhtd", tile_weights, v[..., :stop, :]))
         weights.append(tile_weights)
-    context = contexts[0] if tiles == 1 else jnp.concatenate(contexts, axis=-2)
+    context = contexts[0] if len(contexts) == 1 else jnp.concatenate(contexts, axis=-2)
     return context, tuple(weights)
 
 
@@ -237,7 +240,8 @@ class MultiHeadAttention(AbstractPart):
     its key prefix only (`causal_mix_tiles`), so the masked upper-right blocks of $A$ are never
     computed; the results equal the one-tile computation to float32 rounding. `None` (the
     default) picks `causal_tiles_for(T)` at trace time (4 tiles from T = 128, 2 from 64);
-    an explicit count must divide the sequence length.
+    an explicit count is used for every sequence length (tiles one apart in size when it does
+    not divide T, at most T tiles), so windows of any length still work, e.g. in `generate`.
 
     The state is an `AttentionState` with a field per slot; the metrics are the slots' metrics
     under their names in forward order (`named(wq=..., wk=..., wv=..., wo=...)`, fused
@@ -368,13 +372,7 @@ class MultiHeadAttention(AbstractPart):
                     f"{where}: n_heads={n_heads} does not divide the width {width} of Q, K and "
                     f"V; choose n_heads dividing {width} or change the slots' output width."
                 )
-            seq_len = q.shape[1]
-            tiles = self.causal_tiles or causal_tiles_for(seq_len)
-            if seq_len % tiles:
-                raise ValueError(
-                    f"{where}: causal_tiles={tiles} does not divide the sequence length "
-                    f"{seq_len}; choose a divisor of {seq_len} or causal_tiles=None."
-                )
+            tiles = self.causal_tiles or causal_tiles_for(q.shape[1])
             q_rows = q
             q, k, v = (_split_heads(a, n_heads) for a in (q, k, v))
             context, weights = causal_mix_tiles(q, k, v, tiles)
