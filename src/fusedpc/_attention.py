@@ -47,28 +47,20 @@ class AttentionCache(eqx.Module):
     weights: tuple[jax.Array, ...]
 
 
-def _split_heads(y: jax.Array, n_heads: int) -> jax.Array:
-    """`(B, T, D)` -> `(B, H, T, D/H)`; head `h` holds features `[h d, (h + 1) d)`."""
+def _split_heads(y: jax.Array, n_heads: int, transposed: bool = False) -> jax.Array:
+    """`(B, T, D)` -> `(B, H, T, D/H)`, or each head transposed, `(B, H, D/H, T)`; head `h`
+    holds features `[h d, (h + 1) d)`."""
     b, t, width = y.shape
-    return y.reshape(b, t, n_heads, width // n_heads).transpose(0, 2, 1, 3)
+    heads = y.reshape(b, t, n_heads, width // n_heads)
+    return heads.transpose(0, 2, 3, 1) if transposed else heads.transpose(0, 2, 1, 3)
 
 
-def _merge_heads(y: jax.Array) -> jax.Array:
-    """`(B, H, T, d)` -> `(B, T, H d)`, heads in order."""
+def _merge_heads(y: jax.Array, transposed: bool = False) -> jax.Array:
+    """Undoes `_split_heads`: `(B, H, T, d)` (transposed: `(B, H, d, T)`) -> `(B, T, H d)`."""
+    if transposed:
+        y = y.swapaxes(-1, -2)
     b, h, t, d = y.shape
     return y.transpose(0, 2, 1, 3).reshape(b, t, h * d)
-
-
-def _split_heads_transposed(y: jax.Array, n_heads: int) -> jax.Array:
-    """`(B, T, D)` -> `(B, H, D/H, T)`: the heads of `_split_heads`, each transposed."""
-    b, t, width = y.shape
-    return y.reshape(b, t, n_heads, width // n_heads).transpose(0, 2, 3, 1)
-
-
-def _merge_heads_transposed(y: jax.Array) -> jax.Array:
-    """`(B, H, d, T)` -> `(B, T, H d)`: undoes `_split_heads_transposed`."""
-    b, h, d, t = y.shape
-    return y.transpose(0, 3, 1, 2).reshape(b, t, h * d)
 
 
 def causal_tiles_for(seq_len: int) -> int:
@@ -191,8 +183,8 @@ def causal_mix_backward_rows(
     # dS carries the 1/sqrt(d) of the scores; it is applied to dC (T d entries per head)
     # rather than to dA or dS (T T each), where XLA:CPU would materialise it as a full array.
     scaled = _split_heads(error_rows * (1.0 / math.sqrt(d)), n_heads)
-    error_t = _split_heads_transposed(error_rows, n_heads)
-    q_t = _split_heads_transposed(q_rows, n_heads)
+    error_t = _split_heads(error_rows, n_heads, transposed=True)
+    q_t = _split_heads(q_rows, n_heads, transposed=True)
     d_q_tiles, d_k_t, d_v_t = [], None, None
     for (start, stop), tile_weights in zip(
         _tile_bounds(seq_len, len(weights)), weights, strict=True
@@ -209,7 +201,8 @@ def causal_mix_backward_rows(
         d_k_t = _add_to_prefix(d_k_t, k_part, seq_len)
         d_v_t = _add_to_prefix(d_v_t, v_part, seq_len)
     d_q = d_q_tiles[0] if len(d_q_tiles) == 1 else jnp.concatenate(d_q_tiles, axis=-2)
-    return _merge_heads(d_q), _merge_heads_transposed(d_k_t), _merge_heads_transposed(d_v_t)
+    d_k, d_v = (_merge_heads(a, transposed=True) for a in (d_k_t, d_v_t))
+    return _merge_heads(d_q), d_k, d_v
 
 
 class MultiHeadAttention(AbstractPart):
