@@ -47,6 +47,7 @@ from ._gpt_build import GPTConfig as GPTConfig
 from ._gpt_build import build_gpt as build_gpt
 from ._gpt_build import hybrid_from_gpt as hybrid_from_gpt
 from ._gpt_build import to_reference as to_reference
+from ._host_memory import host_memory_env as host_memory_env
 from ._host_memory import host_memory_reused as host_memory_reused
 from ._host_memory import reuse_host_memory as reuse_host_memory
 from ._learning import LearningNetwork as LearningNetwork

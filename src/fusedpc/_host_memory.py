@@ -10,9 +10,8 @@ kernel zero-fills every page on first touch. At config M of the benchmark that i
 `reuse_host_memory()` sets glibc's allocator (through `mallopt`, the same settings as the
 `MALLOC_*` environment variables) so that freed blocks stay in the process and the next
 step reuses them: one arena for all threads, no `mmap` for large blocks, and the heap top
-neither trimmed nor released. The process keeps
-its peak host memory instead of returning it between steps; nothing else changes (results
-are bit for bit the same).
+neither trimmed nor released. The process keeps its peak host memory instead of returning it
+between steps; nothing else changes (results are bit for bit the same).
 
 It is a trade-off, measured on the 2-core development CPU (docs/performance.md): a step
 with large temporaries gains (config M, about 600 MB estimated: 12 to 15 % less step
