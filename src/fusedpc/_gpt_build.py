@@ -29,6 +29,21 @@ from .models import GPT
 
 # `scan="auto"` unrolls this many blocks or fewer (see `hybrid_from_gpt`).
 AUTO_UNROLL_BLOCKS = 4
+SCAN_CHOICES = (True, False, "auto")
+
+
+def blocks_form(scan: bool | str, n_blocks: int, where: str = "scan") -> str:
+    """How `hybrid_from_gpt(scan=...)` runs `n_blocks` identical blocks: `"scanned"` (a
+    `Repeat` in a `lax.scan`), `"unrolled"` (a `Repeat` unrolled) or `"tuple"` (independent
+    blocks). `where` names the setting in the error for a `scan` that is none of
+    `SCAN_CHOICES`."""
+    if scan not in SCAN_CHOICES:
+        raise ValueError(f"{where} must be True, False or 'auto', got {scan!r}.")
+    if scan is False:
+        return "tuple"
+    if scan == "auto" and n_blocks <= AUTO_UNROLL_BLOCKS:
+        return "unrolled"
+    return "scanned"
 
 SLOTS = ("token", "position", "attention", "feed_forward", "norm", "head")
 LEARNING_PRESETS = {
@@ -105,13 +120,12 @@ def hybrid_from_gpt(
     Unrolled or scanned, a `Repeat` has the same state layout, so checkpoints move between
     the two.
     """
-    if scan not in (True, False, "auto"):
-        raise ValueError(f"hybrid_from_gpt: scan must be True, False or 'auto', got {scan!r}.")
     if not isinstance(gpt, GPT):
         raise TypeError(
             f"hybrid_from_gpt: expected a fusedpc.models.GPT, got {type(gpt).__name__}."
         )
     n_blocks = len(gpt.blocks)
+    form = blocks_form(scan, n_blocks, "hybrid_from_gpt: scan")
     ffs = _per_block(ff_parts, n_blocks, "ff_parts")
     attns = _per_block(attention_parts, n_blocks, "attention_parts")
     norm = norm_parts or frozen.layer_norm
@@ -131,9 +145,9 @@ def hybrid_from_gpt(
             )
         )
     stacked: Any = tuple(blocks)
-    if scan:
+    if form != "tuple":
         try:
-            stacked = Repeat(blocks, unroll=scan == "auto" and n_blocks <= AUTO_UNROLL_BLOCKS)
+            stacked = Repeat(blocks, unroll=form == "unrolled")
         except (TypeError, ValueError):
             stacked = tuple(blocks)  # blocks differ: run them unrolled
     return GPTPart(
@@ -200,8 +214,7 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.head_kind must be 'gaussian' or 'categorical', got {self.head_kind!r}."
             )
-        if self.scan not in (True, False, "auto"):
-            raise ValueError(f"GPTConfig.scan must be True, False or 'auto', got {self.scan!r}.")
+        blocks_form(self.scan, self.n_blocks, "GPTConfig.scan")
         self.learning_slots()
 
     @property

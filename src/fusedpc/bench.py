@@ -412,14 +412,9 @@ def _reuse_host_memory(args: argparse.Namespace) -> bool:
 def _blocks_form(variant: str, blocks: int) -> str:
     """How a fused variant runs its blocks: "scanned", "unrolled" (an unrolled `Repeat`,
     what `scan="auto"` gives for few blocks) or "tuple" (`scan=False`)."""
-    from fusedpc._gpt_build import AUTO_UNROLL_BLOCKS
+    from fusedpc._gpt_build import blocks_form
 
-    scan = _variant_scan(variant)
-    if scan is False:
-        return "tuple"
-    if scan == "auto" and blocks <= AUTO_UNROLL_BLOCKS:
-        return "unrolled"
-    return "scanned"
+    return blocks_form(_variant_scan(variant), blocks)
 
 
 def _prepare_variant(args: argparse.Namespace, variant: str, blocks: int):
