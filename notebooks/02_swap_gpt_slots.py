@@ -15,8 +15,9 @@
 # # Swapping GPT slots from frozen to learning
 #
 # `fusedpc.hybrid_from_gpt(reference)` turns a reference equinox GPT
-# (`fusedpc.models.GPT`) into a tree of parts. Every slot you do not hand it stays **frozen**
-# at the reference weights, so the all-frozen tree reproduces the reference's logits. Each
+# (`fusedpc.transformer.reference.GPT`) into a tree of parts. Every slot you do not hand it
+# stays **frozen** at the reference weights, so the all-frozen tree reproduces the reference's
+# logits. Each
 # slot (token and position tables, the attention projections, the feed-forward networks, the
 # LayerNorms, the head) can be swapped for a **learning** part made by `fusedpc.transplant`
 # from the very same weights, so swapping changes what learns, never what the model computes.
@@ -32,8 +33,9 @@ import numpy as np
 import optax
 
 import fusedpc
-from fusedpc import data, transplant
-from fusedpc.models import GPT, make_backprop_step
+from fusedpc import transplant
+from fusedpc.training import data
+from fusedpc.transformer.reference import GPT, make_backprop_step
 
 text = data.load_text()[:20_000]
 tokenizer = data.CharTokenizer.from_text(text)

@@ -33,8 +33,7 @@ import numpy as np
 import optax
 
 import fusedpc
-from fusedpc import frozen
-from fusedpc import calibrate, format_table
+from fusedpc import calibrate, format_table, frozen
 
 TARGET = 1e-3
 K, BATCH = 40, 32

@@ -22,7 +22,7 @@ import optax
 
 import fusedpc
 from fusedpc import frozen
-from fusedpc._activations import ACTIVATIONS
+from fusedpc.parts._activations import ACTIVATIONS
 
 PyTree = Any
 
@@ -162,7 +162,7 @@ class DeltaLinear(fusedpc.AbstractPart):
             with jax.numpy_dtype_promotion("standard"):
                 updates, opt_state = self.optimiser.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            metrics = fusedpc.learning_metrics(
+            metrics = fusedpc.core.learning_metrics(
                 state.params, params, error, input_error, (in_width, out_width)
             )
             return input_error, DeltaLinearState(params, opt_state), metrics
@@ -202,7 +202,7 @@ class Spy(fusedpc.AbstractPart):
             return x, None
 
         def backward(state, cache, error):
-            finite = fusedpc.FiniteFlag(jnp.all(jnp.isfinite(error)))
+            finite = fusedpc.core.FiniteFlag(jnp.all(jnp.isfinite(error)))
             return error, SpyState(error), finite
 
         return fusedpc.Core(forward, backward, lambda state: self)

@@ -1,70 +1,102 @@
-"""fusedpc: predictive-coding parts and hybrid transformers, one compiled program per step."""
+"""fusedpc: predictive-coding parts and hybrid transformers, one compiled program per step.
 
-from . import errors as errors
-from . import frozen as frozen
-from . import models as models
-from . import transplant as transplant
-from ._attention import AttentionState as AttentionState
-from ._attention import MultiHeadAttention as MultiHeadAttention
-from ._calibrate import PartCalibration as PartCalibration
-from ._calibrate import calibrate as calibrate
-from ._calibrate import format_table as format_table
-from ._check import check_backward as check_backward
-from ._checkpoint import CheckpointError as CheckpointError
-from ._checkpoint import load_checkpoint as load_checkpoint
-from ._checkpoint import read_checkpoint_manifest as read_checkpoint_manifest
-from ._checkpoint import save_checkpoint as save_checkpoint
-from ._compose import Residual as Residual
-from ._compose import ResidualState as ResidualState
-from ._compose import Sequential as Sequential
-from ._compose import SequentialState as SequentialState
-from ._core import AbstractPart as AbstractPart
-from ._core import Core as Core
-from ._core import FiniteFlag as FiniteFlag
-from ._core import Named as Named
-from ._core import PartMetrics as PartMetrics
-from ._core import Stacked as Stacked
-from ._core import display_path as display_path
-from ._core import expect_last_axis as expect_last_axis
-from ._core import expect_rank as expect_rank
-from ._core import join_path as join_path
-from ._core import learning_metrics as learning_metrics
-from ._core import named as named
-from ._core import replace_fields as replace_fields
-from ._embedding import EmbeddingState as EmbeddingState
-from ._embedding import LayerNormState as LayerNormState
-from ._embedding import LearningEmbedding as LearningEmbedding
-from ._embedding import LearningLayerNorm as LearningLayerNorm
-from ._executor import FusedPipeline as FusedPipeline
-from ._executor import NonFiniteStepError as NonFiniteStepError
-from ._executor import StepMetrics as StepMetrics
-from ._frozen import Frozen as Frozen
-from ._frozen import FrozenState as FrozenState
-from ._generate import generate as generate
-from ._gpt import GPTPart as GPTPart
-from ._gpt import TransformerBlock as TransformerBlock
-from ._gpt_build import GPTConfig as GPTConfig
-from ._gpt_build import build_gpt as build_gpt
-from ._gpt_build import hybrid_from_gpt as hybrid_from_gpt
-from ._gpt_build import to_reference as to_reference
-from ._host_memory import host_memory_env as host_memory_env
-from ._host_memory import host_memory_reused as host_memory_reused
-from ._host_memory import reuse_host_memory as reuse_host_memory
-from ._learning import LearningNetwork as LearningNetwork
-from ._learning import LearningNetworkState as LearningNetworkState
-from ._learning import NetworkParams as NetworkParams
-from ._network import PCNetwork as PCNetwork
-from ._repeat import Repeat as Repeat
-from ._repeat import RepeatState as RepeatState
-from ._sharding import data_mesh as data_mesh
-from ._sharding import emulate_cpu_devices as emulate_cpu_devices
-from ._sharding import initialize_distributed as initialize_distributed
-from ._sharding import make_global_batch as make_global_batch
-from ._sharding import process_batch_slice as process_batch_slice
-from ._sharding import shard_widest as shard_widest
-from ._sharding import state_shardings as state_shardings
-from ._train import TrainConfig as TrainConfig
-from ._train import load_run as load_run
-from ._train import train as train
+The top level is what model builders use. Part authors' helpers are in `fusedpc.core`;
+runtime settings (host memory, device emulation) in `fusedpc.training`; the layers below are
+`fusedpc.parts`, `fusedpc.transformer` and `fusedpc.execution`.
+"""
 
-__version__ = "0.1.0"
+import importlib as _importlib
+import warnings as _warnings
+
+from fusedpc import frozen as frozen
+from fusedpc import losses as losses
+from fusedpc import transplant as transplant
+from fusedpc._version import __version__ as __version__
+from fusedpc.core import AbstractPart as AbstractPart
+from fusedpc.core import Core as Core
+from fusedpc.core import check_backward as check_backward
+from fusedpc.execution import CheckpointError as CheckpointError
+from fusedpc.execution import FusedPipeline as FusedPipeline
+from fusedpc.execution import NonFiniteStepError as NonFiniteStepError
+from fusedpc.execution import StepMetrics as StepMetrics
+from fusedpc.execution import data_mesh as data_mesh
+from fusedpc.execution import initialize_distributed as initialize_distributed
+from fusedpc.execution import load_checkpoint as load_checkpoint
+from fusedpc.execution import make_global_batch as make_global_batch
+from fusedpc.execution import process_batch_slice as process_batch_slice
+from fusedpc.execution import read_checkpoint_manifest as read_checkpoint_manifest
+from fusedpc.execution import save_checkpoint as save_checkpoint
+from fusedpc.execution import shard_widest as shard_widest
+from fusedpc.execution import state_shardings as state_shardings
+from fusedpc.parts import AttentionState as AttentionState
+from fusedpc.parts import EmbeddingState as EmbeddingState
+from fusedpc.parts import Frozen as Frozen
+from fusedpc.parts import FrozenState as FrozenState
+from fusedpc.parts import LayerNormState as LayerNormState
+from fusedpc.parts import LearningEmbedding as LearningEmbedding
+from fusedpc.parts import LearningLayerNorm as LearningLayerNorm
+from fusedpc.parts import LearningNetwork as LearningNetwork
+from fusedpc.parts import LearningNetworkState as LearningNetworkState
+from fusedpc.parts import MultiHeadAttention as MultiHeadAttention
+from fusedpc.parts import NetworkParams as NetworkParams
+from fusedpc.parts import PCNetwork as PCNetwork
+from fusedpc.parts import Repeat as Repeat
+from fusedpc.parts import RepeatState as RepeatState
+from fusedpc.parts import Residual as Residual
+from fusedpc.parts import ResidualState as ResidualState
+from fusedpc.parts import Sequential as Sequential
+from fusedpc.parts import SequentialState as SequentialState
+from fusedpc.training import PartCalibration as PartCalibration
+from fusedpc.training import TrainConfig as TrainConfig
+from fusedpc.training import calibrate as calibrate
+from fusedpc.training import format_table as format_table
+from fusedpc.training import load_run as load_run
+from fusedpc.training import train as train
+from fusedpc.transformer import GPTConfig as GPTConfig
+from fusedpc.transformer import GPTPart as GPTPart
+from fusedpc.transformer import TransformerBlock as TransformerBlock
+from fusedpc.transformer import build_gpt as build_gpt
+from fusedpc.transformer import generate as generate
+from fusedpc.transformer import hybrid_from_gpt as hybrid_from_gpt
+from fusedpc.transformer import to_reference as to_reference
+
+# Names that moved in 0.2: they keep working for one release, with a DeprecationWarning.
+_MOVED = {
+    # module attributes: old name -> (new module, attribute or None for the module itself)
+    "errors": ("fusedpc.losses", None),
+    "models": ("fusedpc.transformer.reference", None),
+    "data": ("fusedpc.training.data", None),
+    "FiniteFlag": ("fusedpc.core", "FiniteFlag"),
+    "Named": ("fusedpc.core", "Named"),
+    "PartMetrics": ("fusedpc.core", "PartMetrics"),
+    "Stacked": ("fusedpc.core", "Stacked"),
+    "display_path": ("fusedpc.core", "display_path"),
+    "expect_last_axis": ("fusedpc.core", "expect_last_axis"),
+    "expect_rank": ("fusedpc.core", "expect_rank"),
+    "join_path": ("fusedpc.core", "join_path"),
+    "learning_metrics": ("fusedpc.core", "learning_metrics"),
+    "named": ("fusedpc.core", "named"),
+    "replace_fields": ("fusedpc.core", "replace_fields"),
+    "host_memory_env": ("fusedpc.training", "host_memory_env"),
+    "host_memory_reused": ("fusedpc.training", "host_memory_reused"),
+    "reuse_host_memory": ("fusedpc.training", "reuse_host_memory"),
+    "emulate_cpu_devices": ("fusedpc.training", "emulate_cpu_devices"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _MOVED:
+        raise AttributeError(f"module 'fusedpc' has no attribute {name!r}")
+    module_name, attribute = _MOVED[name]
+    new = module_name if attribute is None else f"{module_name}.{attribute}"
+    _warnings.warn(
+        f"fusedpc.{name} moved to {new}; the old name will be removed in 0.3.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    module = _importlib.import_module(module_name)
+    return module if attribute is None else getattr(module, attribute)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MOVED])

@@ -1,0 +1,7 @@
+"""`python -m fusedpc.bench`."""
+
+import sys
+
+from fusedpc.bench import main
+
+sys.exit(main())

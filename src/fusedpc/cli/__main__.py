@@ -1,0 +1,7 @@
+"""`python -m fusedpc.cli`."""
+
+import sys
+
+from fusedpc.cli import main
+
+sys.exit(main())

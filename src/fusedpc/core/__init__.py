@@ -1,0 +1,29 @@
+"""The part contract and the helpers for writing parts: the extension API.
+
+Everything a part author needs to write a part that runs fused lives here: the base class and
+the `Core` of pure functions it compiles to, paths for error messages and reports, the shape
+and id checks, the metrics a backward returns, and `check_backward` (the local backward
+against `jax.vjp`). This layer imports nothing else of fusedpc.
+"""
+
+from fusedpc.core import losses as losses
+from fusedpc.core._check_backward import check_backward as check_backward
+from fusedpc.core._checks import check_ids as check_ids
+from fusedpc.core._checks import check_part as check_part
+from fusedpc.core._checks import expect_last_axis as expect_last_axis
+from fusedpc.core._checks import expect_rank as expect_rank
+from fusedpc.core._metrics import FiniteFlag as FiniteFlag
+from fusedpc.core._metrics import Named as Named
+from fusedpc.core._metrics import PartMetrics as PartMetrics
+from fusedpc.core._metrics import Stacked as Stacked
+from fusedpc.core._metrics import all_finite as all_finite
+from fusedpc.core._metrics import iter_metrics as iter_metrics
+from fusedpc.core._metrics import learning_metrics as learning_metrics
+from fusedpc.core._metrics import named as named
+from fusedpc.core._metrics import tree_norm as tree_norm
+from fusedpc.core._part import AbstractPart as AbstractPart
+from fusedpc.core._part import Core as Core
+from fusedpc.core._part import PyTree as PyTree
+from fusedpc.core._part import display_path as display_path
+from fusedpc.core._part import join_path as join_path
+from fusedpc.core._part import replace_fields as replace_fields

@@ -1,0 +1,77 @@
+"""Boundary checks a part makes at trace time or on host arrays: widths, ranks, ids, parts.
+
+Each raises an error that names the part path, the expected and the actual value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fusedpc.core._part import AbstractPart, display_path
+
+
+def expect_last_axis(path: str, x: Any, width: int, what: str = "input") -> None:
+    """Raise a `ValueError` naming the part when `x`'s last axis is not `width`."""
+    shape = tuple(jnp.shape(x))
+    if len(shape) < 1 or shape[-1] != width:
+        hint = (
+            f"The batch must have {width} features."
+            if not path
+            else f"The part before it (or the batch) must provide {width} features."
+        )
+        raise ValueError(
+            f"{display_path(path)}: expected {what} of shape (..., {width}), got shape {shape}. "
+            + hint
+        )
+
+
+def expect_rank(path: str, x: Any, rank: int, layout: str, what: str = "input") -> None:
+    shape = tuple(jnp.shape(x))
+    if len(shape) != rank:
+        raise ValueError(
+            f"{display_path(path)}: expected {what} of rank {rank} {layout}, got shape {shape} "
+            f"(rank {len(shape)})."
+        )
+
+
+def check_part(part: object, path: str) -> AbstractPart:
+    """Raise a `TypeError` naming `path` when `part` is not a part."""
+    if not isinstance(part, AbstractPart):
+        raise TypeError(
+            f"{display_path(path)}: expected a part (a subclass of fusedpc.AbstractPart), got "
+            f"{type(part).__name__}. Wrap functions with fusedpc.Frozen(forward, backward, "
+            "params) and equinox layers with fusedpc.frozen / fusedpc.transplant."
+        )
+    return part
+
+
+def check_ids(ids: Any, vocab: int, path: str, what: str = "token ids") -> None:
+    """Host-side check of ids: integer dtype and inside `[0, vocab)`.
+
+    Host arrays (numpy, lists) are checked for the price of a min and a max. The executor
+    hands device arrays over as a `jax.ShapeDtypeStruct` (dtype checked, values not) unless
+    it was built with `check_device_ids=True`, which costs a device-to-host read per step.
+    """
+    if not hasattr(ids, "dtype"):  # lists and other host sequences
+        ids = np.asarray(ids)
+    dtype = ids.dtype
+    if not np.issubdtype(dtype, np.integer):
+        raise TypeError(
+            f"{display_path(path)}: expected integer {what}, got dtype {dtype}; convert with "
+            ".astype(np.int32)."
+        )
+    if isinstance(ids, jax.ShapeDtypeStruct):
+        return
+    arr = np.asarray(ids) if not isinstance(ids, jax.Array) else ids
+    if arr.size == 0:
+        return
+    low, high = int(arr.min()), int(arr.max())
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{display_path(path)}: {what} must lie in [0, {vocab}), got {bad}."
+        )

@@ -1,0 +1,126 @@
+"""Error functions: the descent error at the tree's output, formed inside the compiled step.
+
+An `ErrorFunction` pairs `error(output, target)` — the per-row descent error
+$E = \\partial \\ell_r / \\partial \\text{output}$ — with the scalar loss it is the gradient of
+(the row mean of $\\ell_r$), which the executor reports as `loss`.
+
+* `squared`: $E = y - t$, loss $\\operatorname{mean}_r \\tfrac12 \\lVert y_r - t_r \\rVert^2$.
+* `softmax_cross_entropy`: the output holds logits;
+  $E = \\mathrm{softmax}(y) - \\mathrm{onehot}(t)$, loss = mean cross-entropy.
+* `cross_entropy`: the output holds probabilities (a categorical head);
+  $E = p - \\mathrm{onehot}(t)$ (the error at the head's logits, which the categorical head
+  expects), loss $-\\log p_t$.
+* `sigmoid_cross_entropy`: the output holds probabilities of a binary head; $E = p - t$.
+
+Targets for the cross-entropies are integer class ids of shape `output.shape[:-1]` or one-hot /
+probability rows of the output's shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ErrorFunction(NamedTuple):
+    error: Callable[[jax.Array, jax.Array], jax.Array]
+    loss: Callable[[jax.Array, jax.Array], jax.Array] | None
+    name: str
+
+
+def _as_distribution(output: jax.Array, target: jax.Array) -> jax.Array:
+    if jnp.issubdtype(target.dtype, jnp.integer):
+        if target.shape != output.shape[:-1]:
+            raise ValueError(
+                f"target: expected integer class ids of shape {tuple(output.shape[:-1])} "
+                f"(the output's shape without its last axis), got {tuple(target.shape)}."
+            )
+        return jax.nn.one_hot(target, output.shape[-1], dtype=output.dtype)
+    if target.shape != output.shape:
+        raise ValueError(
+            f"target: expected integer ids of shape {tuple(output.shape[:-1])} or rows of shape "
+            f"{tuple(output.shape)}, got {tuple(target.shape)}."
+        )
+    return target.astype(output.dtype)
+
+
+def _check_same_shape(output: jax.Array, target: jax.Array) -> None:
+    if target.shape != output.shape:
+        raise ValueError(
+            f"target: expected shape {tuple(output.shape)} (the output's shape), got "
+            f"{tuple(target.shape)}."
+        )
+
+
+def _squared_error(output, target):
+    _check_same_shape(output, target)
+    return output - target.astype(output.dtype)
+
+
+def _squared_loss(output, target):
+    diff = output - target.astype(output.dtype)
+    return 0.5 * jnp.mean(jnp.sum(diff * diff, axis=-1))
+
+
+def _softmax_ce_error(output, target):
+    return jax.nn.softmax(output, axis=-1) - _as_distribution(output, target)
+
+
+def _softmax_ce_loss(output, target):
+    logp = jax.nn.log_softmax(output, axis=-1)
+    return -jnp.mean(jnp.sum(_as_distribution(output, target) * logp, axis=-1))
+
+
+def _probs_ce_error(output, target):
+    return output - _as_distribution(output, target)
+
+
+def _probs_ce_loss(output, target):
+    logp = jnp.log(jnp.clip(output, 1e-30, 1.0))
+    return -jnp.mean(jnp.sum(_as_distribution(output, target) * logp, axis=-1))
+
+
+def _binary_error(output, target):
+    _check_same_shape(output, target)
+    return output - target.astype(output.dtype)
+
+
+def _binary_loss(output, target):
+    t = target.astype(output.dtype)
+    p = jnp.clip(output, 1e-7, 1.0 - 1e-7)
+    return -jnp.mean(jnp.sum(t * jnp.log(p) + (1.0 - t) * jnp.log1p(-p), axis=-1))
+
+
+squared = ErrorFunction(_squared_error, _squared_loss, "squared")
+softmax_cross_entropy = ErrorFunction(_softmax_ce_error, _softmax_ce_loss, "softmax_cross_entropy")
+cross_entropy = ErrorFunction(_probs_ce_error, _probs_ce_loss, "cross_entropy")
+sigmoid_cross_entropy = ErrorFunction(_binary_error, _binary_loss, "sigmoid_cross_entropy")
+
+BY_NAME = {
+    f.name: f for f in (squared, softmax_cross_entropy, cross_entropy, sigmoid_cross_entropy)
+}
+
+
+def resolve(error_fn: ErrorFunction | str | Callable | None) -> ErrorFunction:
+    """`None` is `squared`; a name picks a ready-made one; a bare callable has no loss."""
+    if error_fn is None:
+        return squared
+    if isinstance(error_fn, ErrorFunction):
+        return error_fn
+    if isinstance(error_fn, str):
+        try:
+            return BY_NAME[error_fn]
+        except KeyError:
+            raise ValueError(
+                f"error_fn: unknown name {error_fn!r}; choose one of {sorted(BY_NAME)} or pass "
+                "a callable error_fn(output, target) -> descent error."
+            ) from None
+    if callable(error_fn):
+        return ErrorFunction(error_fn, None, getattr(error_fn, "__name__", "custom"))
+    raise TypeError(
+        f"error_fn: expected None, a name, an ErrorFunction or a callable, got "
+        f"{type(error_fn).__name__}."
+    )

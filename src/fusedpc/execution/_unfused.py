@@ -1,0 +1,225 @@
+"""The unfused baseline: the same part tree with one compiled program per leaf part.
+
+The fused executor compiles the whole step (forward walk, error, every local learning step)
+into one XLA program. To measure what that buys, `unfused(tree)` wraps every *leaf* part (a
+part with no child parts) so that its Core's `forward` and `backward` are each their own
+`jax.jit`, and `UnfusedPipeline` walks the composites eagerly in Python: every leaf is one
+dispatch forward and one backward, and the composites' glue (residual additions, the
+attention mixing, the error at the output) runs op by op between them. The errors therefore
+travel between parts through the host's dispatch loop, as they would in an implementation
+without a fused step.
+
+The arithmetic is the same as the fused step's, so one step of both gives the same state to
+float32 rounding; only the scheduling differs. The composite/leaf rule is structural (a part
+is a composite when one of its fields holds a part, or a tuple, list or dict of parts), so no
+concrete part type is named here; a composite with a static boolean field `unroll` (a scan over
+repeated blocks) is switched to its unrolled form, so that its blocks' leaves are dispatched
+one by one too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fusedpc.core import losses as _errors
+from fusedpc.core._checks import check_part
+from fusedpc.core._part import AbstractPart, Core, PyTree, replace_fields
+from fusedpc.execution._pipeline import NORMALISATIONS, copy_tree, normalise_active
+
+
+def _part_children(value: Any) -> bool:
+    """Whether a field value holds parts: a part, or a tuple/list/dict with a part in it."""
+    if isinstance(value, AbstractPart):
+        return True
+    if isinstance(value, list | tuple):
+        return any(isinstance(v, AbstractPart) for v in value)
+    if isinstance(value, dict):
+        return any(isinstance(v, AbstractPart) for v in value.values())
+    return False
+
+
+def is_composite(part: AbstractPart) -> bool:
+    """A part is a composite when any of its fields holds a part (or a collection of parts)."""
+    return any(
+        _part_children(getattr(part, f.name, None)) for f in dataclasses.fields(part)
+    )
+
+
+class JitLeaf(AbstractPart):
+    """A leaf part whose Core's `forward` and `backward` are each compiled on their own.
+
+    Its state is the wrapped part's state (no extra nesting), so the state trees of a tree and
+    of its `unfused` twin have the same structure; `write_back` returns a wrapped part again.
+    """
+
+    inner: AbstractPart
+
+    def __init__(self, inner: AbstractPart):
+        self.inner = check_part(inner, "JitLeaf.inner")
+
+    def init_state(self, key: jax.Array) -> PyTree:
+        return self.inner.init_state(key)
+
+    def validate_input(self, x: Any, path: str) -> None:
+        self.inner.validate_input(x, path)
+
+    def compile(self, path: str) -> Core:
+        core = self.inner.compile(path)
+        forward = jax.jit(core.forward)
+        backward = jax.jit(core.backward)
+
+        def write_back(state: PyTree) -> JitLeaf:
+            return JitLeaf(core.write_back(state))
+
+        return Core(forward, backward, write_back)
+
+
+def _wrap_value(value: Any) -> Any:
+    if isinstance(value, AbstractPart):
+        return unfused(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_wrap_value(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _wrap_value(v) for k, v in value.items()}
+    return value
+
+
+def unfused(tree: AbstractPart) -> AbstractPart:
+    """The same tree with every leaf part wrapped in a `JitLeaf` (one jit per leaf part).
+
+    Composites are rebuilt around their wrapped children (their own `__init__` is not re-run);
+    a composite with a static boolean `unroll` field is set to unroll, so a scan over repeated
+    blocks becomes a Python loop whose leaves dispatch one by one.
+    """
+    check_part(tree, "unfused(tree)")
+    if isinstance(tree, JitLeaf):
+        return tree
+    if not is_composite(tree):
+        return JitLeaf(tree)
+    changes = {}
+    for f in dataclasses.fields(tree):
+        value = getattr(tree, f.name, None)
+        if _part_children(value):
+            changes[f.name] = _wrap_value(value)
+        elif (
+            f.name == "unroll" and f.metadata.get("static", False) and isinstance(value, bool)
+        ):
+            changes[f.name] = True
+    return replace_fields(tree, **changes)
+
+
+class UnfusedPipeline:
+    """Trains an `unfused` tree eagerly: the composites run in Python, each leaf is one jit.
+
+    The same training step as `FusedPipeline.step` (forward walk, descent error from
+    `error_fn`, `error_normalisation`, backward walk, new state), without the non-finite guard
+    (a step is always committed) and without donation. The error at the output is formed by
+    one more small compiled function.
+
+    Args:
+        tree: the root part; wrapped with `unfused` unless it is already.
+        error_fn, error_normalisation, key: as for `FusedPipeline`.
+        mesh: as for `FusedPipeline`: the state is replicated over it and each batch's leading
+            axis sharded over its `"data"` axis.
+    """
+
+    def __init__(
+        self,
+        tree: AbstractPart,
+        error_fn: _errors.ErrorFunction | str | Callable | None = None,
+        error_normalisation: str = "active",
+        *,
+        key: jax.Array | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        check_part(tree, "UnfusedPipeline(tree)")
+        if error_normalisation not in NORMALISATIONS:
+            raise ValueError(
+                f"error_normalisation: expected one of {NORMALISATIONS}, got "
+                f"{error_normalisation!r}."
+            )
+        self.tree = tree if _all_leaves_wrapped(tree) else unfused(tree)
+        self.error_fn = _errors.resolve(error_fn)
+        self.error_normalisation = error_normalisation
+        self._core = self.tree.compile("")
+        key = jax.random.key(0) if key is None else key
+        self.mesh = mesh
+        self._state = copy_tree(self.tree.init_state(key))
+        if mesh is not None:
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._state = jax.device_put(self._state, replicated)
+        self._head = jax.jit(self._error_and_loss)
+        self._loss: jax.Array | None = None
+        self._metrics: PyTree = None
+
+    def _error_and_loss(self, y, target):
+        error = self.error_fn.error(y, target)
+        if self.error_normalisation == "active":
+            error = normalise_active(error)
+        if self.error_fn.loss is None:
+            loss = jnp.full((), jnp.nan, jnp.float32)
+        else:
+            loss = self.error_fn.loss(y, target).astype(jnp.float32)
+        return error, loss
+
+    def _place(self, x: Any) -> Any:
+        if self.mesh is None:
+            return x
+        x = jnp.asarray(x)
+        spec = jax.sharding.PartitionSpec("data", *([None] * (x.ndim - 1)))
+        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
+
+    def step(self, x: Any, target: Any) -> tuple[jax.Array, Any]:
+        """One training step dispatched part by part. Returns `(output, input_error)`."""
+        # As FusedPipeline: values of host arrays are checked, device arrays by shape and dtype
+        # only (reading them back would cost a device-to-host copy per step).
+        checked = jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
+        self.tree.validate_input(checked, "")
+        x, target = self._place(x), self._place(target)
+        y, cache = self._core.forward(self._state, x)
+        error, self._loss = self._head(y, target)
+        input_error, self._state, self._metrics = self._core.backward(self._state, cache, error)
+        return y, input_error
+
+    @property
+    def state(self) -> PyTree:
+        """The current state pytree (the same structure as the wrapped tree's state)."""
+        return self._state
+
+    @property
+    def last_loss(self) -> float | None:
+        return None if self._loss is None else float(self._loss)
+
+    @property
+    def last_metrics(self) -> PyTree:
+        """The parts' metrics of the last step (keyed like the state)."""
+        return self._metrics
+
+    def merge(self) -> AbstractPart:
+        """The (wrapped) tree with the current state written back, holding copies."""
+        return self._core.write_back(copy_tree(self._state))
+
+
+def _all_leaves_wrapped(tree: AbstractPart) -> bool:
+    if isinstance(tree, JitLeaf):
+        return True
+    if not is_composite(tree):
+        return False
+    children = []
+    for f in dataclasses.fields(tree):
+        value = getattr(tree, f.name, None)
+        if isinstance(value, AbstractPart):
+            children.append(value)
+        elif isinstance(value, list | tuple):
+            children.extend(v for v in value if isinstance(v, AbstractPart))
+        elif isinstance(value, dict):
+            children.extend(v for v in value.values() if isinstance(v, AbstractPart))
+    return all(_all_leaves_wrapped(c) for c in children)
+
+
+__all__ = ["JitLeaf", "UnfusedPipeline", "is_composite", "unfused"]

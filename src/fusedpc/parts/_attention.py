@@ -1,0 +1,402 @@
+"""Multi-head causal self-attention: four slots (or a fused QKV slot and an output slot), each
+any part, around a weight-free mixing step with a hand-derived backward."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from fusedpc.core._checks import check_part, expect_rank
+from fusedpc.core._metrics import named
+from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
+
+_SEPARATE = ("wq", "wk", "wv")
+_LAYOUT = "(batch, seq, features)"
+
+
+class AttentionState(eqx.Module):
+    """State of a `MultiHeadAttention`: one field per slot (the unused ones are None)."""
+
+    wq: PyTree = None
+    wk: PyTree = None
+    wv: PyTree = None
+    wqkv: PyTree = None
+    wo: PyTree = None
+
+
+class AttentionCache(eqx.Module):
+    """What the backward reads: the slots' caches, Q as rows `(B, T, D)`, the heads
+    `(B, H, T, d)` of K and V and the attention weights of each query tile (a tuple; one
+    tile: `A` `(B, H, T, T)`; see `causal_mix_tiles`)."""
+
+    slots: dict[str, PyTree]
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    weights: tuple[jax.Array, ...]
+
+
+def _split_heads(y: jax.Array, n_heads: int, transposed: bool = False) -> jax.Array:
+    """`(B, T, D)` -> `(B, H, T, D/H)`, or each head transposed, `(B, H, D/H, T)`; head `h`
+    holds features `[h d, (h + 1) d)`."""
+    b, t, width = y.shape
+    heads = y.reshape(b, t, n_heads, width // n_heads)
+    return heads.transpose(0, 2, 3, 1) if transposed else heads.transpose(0, 2, 1, 3)
+
+
+def _merge_heads(y: jax.Array, transposed: bool = False) -> jax.Array:
+    """Undoes `_split_heads`: `(B, H, T, d)` (transposed: `(B, H, d, T)`) -> `(B, T, H d)`."""
+    if transposed:
+        y = y.swapaxes(-1, -2)
+    b, h, t, d = y.shape
+    return y.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+
+
+def causal_tiles_for(seq_len: int) -> int:
+    """How many query tiles `MultiHeadAttention` splits a sequence into by default: 4 from
+    128 positions (divisible by 4), 2 from 64 (even), else 1. Measured on the development
+    CPU (forward plus backward of one block): T = 128, 4 tiles: -14 %; T = 256: -28 %;
+    T = 64, 2 tiles: -10 %; 8 tiles were slower than 4 at both 128 and 256."""
+    if seq_len >= 128 and seq_len % 4 == 0:
+        return 4
+    if seq_len >= 64 and seq_len % 2 == 0:
+        return 2
+    return 1
+
+
+def _tile_bounds(seq_len: int, tiles: int) -> list[tuple[int, int]]:
+    """`[start, stop)` of each query tile: `min(tiles, seq_len)` tiles whose sizes differ by
+    at most one (equal when `tiles` divides `seq_len`)."""
+    n = min(tiles, seq_len)
+    return [(i * seq_len // n, (i + 1) * seq_len // n) for i in range(n)]
+
+
+def causal_mix_tiles(
+    q: jax.Array, k: jax.Array, v: jax.Array, tiles: int = 1
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """`causal_mix` computed by query tiles: returns `C` and the tiles' attention weights.
+
+    The T queries are split into `tiles` tiles (equal when `tiles` divides T, sizes one apart
+    otherwise; at most T tiles); tile $i$ (rows $[a_i, b_i)$) attends to the key prefix
+    $[0, b_i)$ only, since every later key is masked for it. Its weights
+    $A_i$ have shape `(B, H, b_i - a_i, b_i)`; the masked upper-right blocks of $A$, a fraction
+    $(n - 1) / 2n$ of it, are never computed. Per row, the same numbers as `causal_mix` up to
+    float32 rounding (the softmax of a row sums over its prefix instead of the whole row, the
+    masked entries contributing exactly 0 either way).
+    """
+    seq_len, d = q.shape[-2], q.shape[-1]
+    contexts, weights = [], []
+    for start, stop in _tile_bounds(seq_len, tiles):
+        scores = jnp.einsum("bhtd,bhsd->bhts", q[..., start:stop, :], k[..., :stop, :])
+        scores = scores * (1.0 / math.sqrt(d))
+        row = jnp.arange(start, stop)[:, None]
+        col = jnp.arange(stop)[None, :]
+        # The mask depends on the scores (`| isnan`: a NaN score stays NaN, as it would
+        # anyway) so that XLA cannot hoist it out of `run`'s scan as a loop invariant:
+        # hoisted, it changes how the softmax kernel is compiled, and K `step`s and one K-step
+        # `run` would differ in the last bits.
+        causal = (col <= row) | jnp.isnan(scores)
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        tile_weights = jax.nn.softmax(scores, axis=-1)
+        contexts.append(jnp.einsum("bhts,bhsd->bhtd", tile_weights, v[..., :stop, :]))
+        weights.append(tile_weights)
+    context = contexts[0] if len(contexts) == 1 else jnp.concatenate(contexts, axis=-2)
+    return context, tuple(weights)
+
+
+def causal_mix(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The weight-free mixing on heads `(B, H, T, d)`: returns `(C, A)`.
+
+    $S = Q K^\\top / \\sqrt d$, entries with $s > t$ set to the most negative finite number
+    (their weight is exactly 0 and no NaN can appear: the diagonal is never masked),
+    $A = \\mathrm{softmax}_s(S)$, $C = A V$. (`causal_mix_tiles` with one tile.)
+    """
+    context, (weights,) = causal_mix_tiles(q, k, v, 1)
+    return context, weights
+
+
+def causal_mix_backward(
+    q: jax.Array, k: jax.Array, v: jax.Array, weights: jax.Array, error: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The hand-derived backward of `causal_mix`: `(dQ, dK, dV)` from `dC` (all per head).
+
+    $dA = dC\\, V^\\top$, $dV = A^\\top dC$,
+    $dS = A \\odot (dA - \\textstyle\\sum_s dA \\odot A) / \\sqrt d$, $dQ = dS\\, K$,
+    $dK = dS^\\top Q$. Masked entries have $A = 0$, hence $dS = 0$: nothing flows to the future.
+    (Per-head front end of `causal_mix_backward_rows`, which the attention part calls.)
+    """
+    n_heads = q.shape[1]
+    d_q, d_k, d_v = causal_mix_backward_rows(
+        _merge_heads(q), k, v, (weights,), _merge_heads(error), n_heads
+    )
+    return tuple(_split_heads(a, n_heads) for a in (d_q, d_k, d_v))
+
+
+def _add_to_prefix(total: jax.Array | None, part: jax.Array, seq_len: int) -> jax.Array:
+    """`total` (None: zeros) plus `part` over the first `part.shape[-1]` of `seq_len` positions
+    of the last axis. An in-place add into the prefix: 3.5 % less M step time than padding
+    each part to full length and adding."""
+    if total is None:
+        if part.shape[-1] == seq_len:
+            return part
+        total = jnp.zeros((*part.shape[:-1], seq_len), part.dtype)
+    return total.at[..., : part.shape[-1]].add(part)
+
+
+def causal_mix_backward_rows(
+    q_rows: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    weights: tuple[jax.Array, ...],
+    error_rows: jax.Array,
+    n_heads: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The backward of `causal_mix_tiles` with Q, dC and the results as rows `(B, T, D)` (K, V
+    per head, `weights` the tiles' weights as `causal_mix_tiles` returns them).
+
+    Per query tile $i$ (rows $[a_i, b_i)$, key prefix $[0, b_i)$):
+    $dA_i = dC_i V_{<b_i}^\\top$, $dS_i = A_i \\odot (dA_i - \\mathrm{rowsum}(dA_i \\odot A_i))
+    / \\sqrt d$, $dQ_i = dS_i K_{<b_i}$, and the prefix's $dK_{<b_i} \\mathrel{+}= dS_i^\\top
+    Q_i$, $dV_{<b_i} \\mathrel{+}= A_i^\\top dC_i$ (one tile: `causal_mix_backward`).
+
+    Every product is written so that the operand it contracts over its rows ($A^\\top dC$ and
+    $dS^\\top Q$) arrives transposed from the head split itself: $dV^\\top = dC^\\top A$ and
+    $dK^\\top = Q^\\top dS$ with $dC^\\top$, $Q^\\top$ split straight to `(B, H, d, T)` and the
+    results merged straight back. The head split and merge are transposes anyway, so this
+    costs nothing extra, and each product has the row-major form XLA:CPU hands to its fast
+    matmul library; written as $A^\\top dC$ they fall back to a generic batched dot about
+    twice as slow (docs/performance.md).
+    """
+    seq_len = error_rows.shape[1]
+    d = k.shape[-1]
+    # dS carries the 1/sqrt(d) of the scores; it is applied to dC (T d entries per head)
+    # rather than to dA or dS (T T each), where XLA:CPU would materialise it as a full array.
+    scaled = _split_heads(error_rows * (1.0 / math.sqrt(d)), n_heads)
+    error_t = _split_heads(error_rows, n_heads, transposed=True)
+    q_t = _split_heads(q_rows, n_heads, transposed=True)
+    d_q_tiles, d_k_t, d_v_t = [], None, None
+    for (start, stop), tile_weights in zip(
+        _tile_bounds(seq_len, len(weights)), weights, strict=True
+    ):
+        d_weights = jnp.einsum(  # dA / sqrt(d)
+            "bhtd,bhsd->bhts", scaled[..., start:stop, :], v[..., :stop, :]
+        )
+        d_scores = tile_weights * (
+            d_weights - jnp.sum(d_weights * tile_weights, axis=-1, keepdims=True)
+        )
+        d_q_tiles.append(jnp.einsum("bhts,bhsd->bhtd", d_scores, k[..., :stop, :]))
+        k_part = jnp.einsum("bhdt,bhts->bhds", q_t[..., start:stop], d_scores)
+        v_part = jnp.einsum("bhdt,bhts->bhds", error_t[..., start:stop], tile_weights)
+        d_k_t = _add_to_prefix(d_k_t, k_part, seq_len)
+        d_v_t = _add_to_prefix(d_v_t, v_part, seq_len)
+    d_q = d_q_tiles[0] if len(d_q_tiles) == 1 else jnp.concatenate(d_q_tiles, axis=-2)
+    d_k, d_v = (_merge_heads(a, transposed=True) for a in (d_k_t, d_v_t))
+    return _merge_heads(d_q), d_k, d_v
+
+
+class MultiHeadAttention(AbstractPart):
+    """Multi-head causal self-attention over `(batch, seq, features)`.
+
+    Slots: `wq`, `wk`, `wv` (or one fused `wqkv` whose output stacks $[q \\mid k \\mid v]$ on the
+    last axis) and `wo`; each is any part, frozen or learning, called on the whole
+    `(B, T, D_in)` array (parts treat leading axes as rows).
+
+    **Forward.** $Q, K, V \\in \\mathbb{R}^{B \\times T \\times D}$ from the slots (fused: the
+    three equal thirds of `wqkv`'s output). With $H$ = `n_heads`, $d = D/H$ and head $h$ the
+    features $[h d, (h+1) d)$:
+
+    $$S_h = \\frac{Q_h K_h^\\top}{\\sqrt d}, \\quad S_{h,ts} = -\\infty \\ (s > t), \\quad
+    A_h = \\mathrm{softmax}_s(S_h), \\quad C_h = A_h V_h,$$
+
+    $C = [C_1 \\mid \\dots \\mid C_H]$ and $y = \\mathrm{wo}(C)$. Position $t$ attends to
+    positions $s \\le t$ only. The mask uses the most negative finite number, so masked weights
+    are exactly 0 and no NaN appears.
+
+    **Backward** (descent errors; $E = \\partial L/\\partial y$). $dC = \\mathrm{wo}^\\top(E)$ is
+    split into heads $dC_h$; then, per head,
+
+    $$dA_h = dC_h V_h^\\top, \\quad dV_h = A_h^\\top dC_h, \\quad
+    dS_h = \\frac{A_h \\odot \\big(dA_h - \\mathrm{rowsum}(dA_h \\odot A_h)\\big)}{\\sqrt d},$$
+
+    $$dQ_h = dS_h K_h, \\qquad dK_h = dS_h^\\top Q_h$$
+
+    (the softmax rows sum to one). The heads merge back into $dQ, dK, dV$; each goes to its
+    slot's backward and the three input errors add: $\\partial L/\\partial x =
+    \\mathrm{wq}^\\top(dQ) + \\mathrm{wk}^\\top(dK) + \\mathrm{wv}^\\top(dV)$. Fused:
+    $\\partial L/\\partial x = \\mathrm{wqkv}^\\top([dQ \\mid dK \\mid dV])$. Each slot learns
+    from its own error.
+
+    **Causal tiles.** The queries are processed in `causal_tiles` equal tiles, each against
+    its key prefix only (`causal_mix_tiles`), so the masked upper-right blocks of $A$ are never
+    computed; the results equal the one-tile computation to float32 rounding. `None` (the
+    default) picks `causal_tiles_for(T)` at trace time (4 tiles from T = 128, 2 from 64);
+    an explicit count is used for every sequence length (tiles one apart in size when it does
+    not divide T, at most T tiles), so windows of any length still work, e.g. in `generate`.
+
+    The state is an `AttentionState` with a field per slot; the metrics are the slots' metrics
+    under their names in forward order (`named(wq=..., wk=..., wv=..., wo=...)`, fused
+    `named(wqkv=..., wo=...)`), so report rows read `...attention.wq`. Shapes and heads are
+    checked at trace time (before anything runs) with errors naming the part's path.
+    """
+
+    wq: AbstractPart | None
+    wk: AbstractPart | None
+    wv: AbstractPart | None
+    wo: AbstractPart
+    wqkv: AbstractPart | None
+    n_heads: int = eqx.field(static=True)
+    causal_tiles: int | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        wq: AbstractPart | None = None,
+        wk: AbstractPart | None = None,
+        wv: AbstractPart | None = None,
+        wo: AbstractPart | None = None,
+        n_heads: int = 1,
+        wqkv: AbstractPart | None = None,
+        causal_tiles: int | None = None,
+    ):
+        given = {"wq": wq, "wk": wk, "wv": wv}
+        if wo is None:
+            raise ValueError(
+                "MultiHeadAttention: the output slot `wo` is missing; pass wo=<part> (for no "
+                "output projection, a frozen identity such as fusedpc.frozen.activation("
+                "'identity'))."
+            )
+        if wqkv is not None:
+            clash = [name for name, part in given.items() if part is not None]
+            if clash:
+                raise ValueError(
+                    f"MultiHeadAttention: got a fused `wqkv` and separate slots {clash}; pass "
+                    "either wqkv=<part> or all of wq, wk, wv, not both."
+                )
+        else:
+            missing = [name for name, part in given.items() if part is None]
+            if missing:
+                raise ValueError(
+                    f"MultiHeadAttention: slots {missing} are missing; pass all of wq, wk, wv, "
+                    "or one fused wqkv=<part> whose output stacks [q | k | v]."
+                )
+        if isinstance(n_heads, bool) or not isinstance(n_heads, int):
+            raise TypeError(
+                f"MultiHeadAttention: n_heads must be an int, got {type(n_heads).__name__} "
+                f"{n_heads!r}."
+            )
+        if n_heads < 1:
+            raise ValueError(f"MultiHeadAttention: n_heads must be >= 1, got {n_heads}.")
+        if causal_tiles is not None and (
+            isinstance(causal_tiles, bool) or not isinstance(causal_tiles, int) or causal_tiles < 1
+        ):
+            raise ValueError(
+                "MultiHeadAttention: causal_tiles must be None (chosen from the sequence "
+                f"length) or an int >= 1, got {causal_tiles!r}."
+            )
+        for name, part in {**given, "wo": wo, "wqkv": wqkv}.items():
+            if part is not None:
+                check_part(part, f"MultiHeadAttention.{name}")
+        self.wq, self.wk, self.wv, self.wo, self.wqkv = wq, wk, wv, wo, wqkv
+        self.n_heads = n_heads
+        self.causal_tiles = causal_tiles
+
+    @property
+    def fused(self) -> bool:
+        return self.wqkv is not None
+
+    def _slot_names(self) -> tuple[str, ...]:
+        return ("wqkv", "wo") if self.fused else ("wq", "wk", "wv", "wo")
+
+    def init_state(self, key: jax.Array) -> AttentionState:
+        names = self._slot_names()
+        keys = jax.random.split(key, len(names))
+        return AttentionState(
+            **{name: getattr(self, name).init_state(k) for name, k in zip(names, keys)}
+        )
+
+    def compile(self, path: str) -> Core:
+        where = display_path(path)
+        n_heads = self.n_heads
+        names = self._slot_names()
+        cores = {name: getattr(self, name).compile(join_path(path, name)) for name in names}
+
+        def check_slot(name: str, y, x) -> None:
+            expect_rank(join_path(path, name), y, 3, _LAYOUT, what="output")
+            if y.shape[:2] != x.shape[:2]:
+                raise ValueError(
+                    f"{display_path(join_path(path, name))}: expected an output of shape "
+                    f"{tuple(x.shape[:2])} + (width,) (the input's batch and sequence), got "
+                    f"{tuple(y.shape)}."
+                )
+
+        def project(state: AttentionState, x):
+            """Q, K, V `(B, T, D)` and the slots' caches."""
+            caches = {}
+            if self.fused:
+                qkv, caches["wqkv"] = cores["wqkv"].forward(state.wqkv, x)
+                check_slot("wqkv", qkv, x)
+                if qkv.shape[-1] % 3:
+                    raise ValueError(
+                        f"{where}: the fused slot wqkv must output [q | k | v], three equal "
+                        f"widths, but its output width {qkv.shape[-1]} is not divisible by 3."
+                    )
+                q, k, v = jnp.split(qkv, 3, axis=-1)
+                return (q, k, v), caches
+            outputs = []
+            for name in _SEPARATE:
+                y, caches[name] = cores[name].forward(getattr(state, name), x)
+                check_slot(name, y, x)
+                outputs.append(y)
+            widths = {name: y.shape[-1] for name, y in zip(_SEPARATE, outputs)}
+            if len(set(widths.values())) != 1:
+                raise ValueError(
+                    f"{where}: the slots wq, wk, wv must output the same width, got {widths}."
+                )
+            return tuple(outputs), caches
+
+        def forward(state: AttentionState, x):
+            expect_rank(path, x, 3, _LAYOUT)
+            (q, k, v), caches = project(state, x)
+            width = q.shape[-1]
+            if width % n_heads:
+                raise ValueError(
+                    f"{where}: n_heads={n_heads} does not divide the width {width} of Q, K and "
+                    f"V; choose n_heads dividing {width} or change the slots' output width."
+                )
+            tiles = self.causal_tiles or causal_tiles_for(q.shape[1])
+            q_rows = q
+            q, k, v = (_split_heads(a, n_heads) for a in (q, k, v))
+            context, weights = causal_mix_tiles(q, k, v, tiles)
+            y, caches["wo"] = cores["wo"].forward(state.wo, _merge_heads(context))
+            return y, AttentionCache(slots=caches, q=q_rows, k=k, v=v, weights=weights)
+
+        def backward(state: AttentionState, cache: AttentionCache, error):
+            new_states, metrics = {}, {}
+            d_context, new_states["wo"], metrics["wo"] = cores["wo"].backward(
+                state.wo, cache.slots["wo"], error
+            )
+            d_q, d_k, d_v = causal_mix_backward_rows(
+                cache.q, cache.k, cache.v, cache.weights, d_context, n_heads
+            )
+            if self.fused:
+                input_error, new_states["wqkv"], metrics["wqkv"] = cores["wqkv"].backward(
+                    state.wqkv, cache.slots["wqkv"], jnp.concatenate([d_q, d_k, d_v], axis=-1)
+                )
+            else:
+                input_error = None
+                for name, d in zip(_SEPARATE, (d_q, d_k, d_v)):
+                    e, new_states[name], metrics[name] = cores[name].backward(
+                        getattr(state, name), cache.slots[name], d
+                    )
+                    input_error = e if input_error is None else input_error + e
+            ordered = named(**{name: metrics[name] for name in names})
+            return input_error, AttentionState(**new_states), ordered
+
+        def write_back(state: AttentionState) -> MultiHeadAttention:
+            return replace_fields(
+                self, **{name: cores[name].write_back(getattr(state, name)) for name in names}
+            )
+
+        return Core(forward, backward, write_back)

@@ -1,0 +1,86 @@
+"""Frozen parts: a formula pair whose parameters live in the state and never learn."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from fusedpc.core._checks import expect_last_axis
+from fusedpc.core._metrics import FiniteFlag, all_finite
+from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, replace_fields
+
+
+class FrozenState(eqx.Module):
+    """State of a frozen part: its parameters (arrays), carried unchanged through every step."""
+
+    params: PyTree
+
+
+class Frozen(AbstractPart):
+    """A part that only translates errors, through a hand-derived backward.
+
+    `forward(params, x) -> (y, cache)` and `backward(params, cache, error) -> input_error`,
+    where `error` is the descent error $\\partial L/\\partial y$ and `input_error` must be
+    $\\partial L/\\partial x = \\mathrm{vjp}(\\text{forward})(\\text{error})$; check that with
+    `fusedpc.check_backward(part, x)`. `params` is any pytree of arrays (or `None`); it is
+    carried in the state, never captured in a closure. `in_width`, when given, is checked
+    against the last axis of the input before anything is compiled.
+    """
+
+    forward_fn: Callable[[PyTree, Any], tuple[Any, PyTree]] = eqx.field(static=True)
+    backward_fn: Callable[[PyTree, PyTree, Any], Any] = eqx.field(static=True)
+    params: PyTree
+    in_width: int | None = eqx.field(static=True)
+    name: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        forward: Callable[[PyTree, Any], tuple[Any, PyTree]],
+        backward: Callable[[PyTree, PyTree, Any], Any],
+        params: PyTree = None,
+        *,
+        in_width: int | None = None,
+        name: str | None = None,
+    ):
+        if not callable(forward) or not callable(backward):
+            raise TypeError(
+                "Frozen(forward, backward, params): forward and backward must be callables, got "
+                f"{type(forward).__name__} and {type(backward).__name__}."
+            )
+        self.forward_fn = forward
+        self.backward_fn = backward
+        self.params = params
+        self.in_width = None if in_width is None else int(in_width)
+        self.name = name or getattr(forward, "__name__", "frozen")
+
+    def init_state(self, key: jax.Array) -> FrozenState:
+        del key
+        return FrozenState(params=self.params)
+
+    def compile(self, path: str) -> Core:
+        where = display_path(path)
+
+        def forward(state: FrozenState, x):
+            if self.in_width is not None:
+                expect_last_axis(path, x, self.in_width)
+            try:
+                return self.forward_fn(state.params, x)
+            except (TypeError, ValueError) as err:
+                if str(err).startswith(where):
+                    raise
+                raise ValueError(
+                    f"{where}: the forward of frozen part {self.name!r} failed on an input of "
+                    f"shape {tuple(x.shape)}: {err}"
+                ) from err
+
+        def backward(state: FrozenState, cache, error):
+            input_error = self.backward_fn(state.params, cache, error)
+            return input_error, state, FiniteFlag(finite=all_finite(input_error))
+
+        def write_back(state: FrozenState) -> Frozen:
+            return replace_fields(self, params=state.params)
+
+        return Core(forward, backward, write_back)

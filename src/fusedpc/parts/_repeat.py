@@ -1,0 +1,242 @@
+"""Repeat: N structurally identical blocks with stacked state, run by `lax.scan` so that the
+compiled program (and its compile time) does not grow with N."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fusedpc.core._checks import check_part
+from fusedpc.core._metrics import Stacked
+from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
+
+
+class RepeatState(eqx.Module):
+    """State of a `Repeat`: the blocks' states stacked leafwise on a leading axis of size N."""
+
+    blocks: PyTree
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def _describe(x: Any) -> str:
+    if _is_array(x):
+        return f"{jnp.result_type(x)}{list(jnp.shape(x))}"
+    return repr(x)
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # values without a boolean equality count as different
+        return False
+
+
+def first_difference(a: Any, b: Any, where: str = "") -> str | None:
+    """The first place where two part trees differ in class, structure, static configuration,
+    or leaf shape/dtype, described in words; None when they are interchangeable."""
+    here = where or "<block>"
+    if type(a) is not type(b):
+        return f"{here}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, eqx.Module):
+        for field in dataclasses.fields(a):
+            va, vb = getattr(a, field.name, None), getattr(b, field.name, None)
+            sub = f"{where}.{field.name}"
+            if field.metadata.get("static", False):
+                if not _same_static(va, vb):
+                    return (
+                        f"{sub}: static configuration {va!r} vs {vb!r} (blocks share one "
+                        "compiled program; build shared functions and optimisers once, outside "
+                        "the factory)"
+                    )
+            else:
+                found = first_difference(va, vb, sub)
+                if found:
+                    return found
+        return None
+    if _is_array(a):
+        if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+            return f"{here}: {_describe(a)} vs {_describe(b)}"
+        return None
+    if isinstance(a, list | tuple):
+        if len(a) != len(b):
+            return f"{here}: {len(a)} entries vs {len(b)}"
+        for i, (sa, sb) in enumerate(zip(a, b)):
+            found = first_difference(sa, sb, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return f"{here}: keys {list(a)} vs {list(b)}"
+        for name in a:
+            found = first_difference(a[name], b[name], f"{where}[{name!r}]")
+            if found:
+                return found
+        return None
+    if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
+        return f"{here}: structure {jax.tree_util.tree_structure(a)} vs " + str(
+            jax.tree_util.tree_structure(b)
+        )
+    leaves = jax.tree_util.tree_leaves(a)
+    if leaves == [a]:  # a leaf that is not an array: a Python value
+        return None if _same_static(a, b) else f"{here}: value {a!r} vs {b!r}"
+    for la, lb in zip(leaves, jax.tree_util.tree_leaves(b)):
+        found = first_difference(la, lb, f"{where}<leaf>")
+        if found:
+            return found
+    return None
+
+
+def _stack(trees: Sequence[PyTree]) -> PyTree:
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _slice(tree: PyTree, i: int) -> PyTree:
+    return jax.tree_util.tree_map(lambda a: a[i], tree)
+
+
+class Repeat(AbstractPart):
+    """N structurally identical blocks applied in order, $x_{i+1} = \\mathrm{block}_i(x_i)$.
+
+    The blocks' states are stacked leafwise (leading axis N, `RepeatState.blocks`); one compiled
+    block runs inside a `lax.scan` forward (its caches stacked) and a reverse `lax.scan` backward
+    (`reverse=True`), so the traced program does not grow with N. Backward:
+    $E_i = \\mathrm{block}_i^\\top(E_{i+1})$ from $E_N$ = the error at the output, each block
+    learning from its own error. The metrics are the blocks' metrics stacked and wrapped in
+    `Stacked`, so the report names each block (`blocks[3].attention.wo` for a Repeat called
+    `blocks`). A block must keep its input's shape and dtype.
+
+    Blocks are structurally identical when they have the same class, pytree structure, static
+    configuration (functions and optimisers compared by identity: create them once, outside a
+    factory) and array shapes/dtypes; they differ only in array values. With `unroll=True` the
+    blocks run in a Python loop instead (the same state layout and results; a program that grows
+    with N, for comparison and benchmarks).
+
+    Build from N blocks, `Repeat([b0, b1, ...])`, or from a factory,
+    `Repeat.from_factory(factory, n, key)` with `factory(key) -> block`.
+    """
+
+    blocks: tuple[AbstractPart, ...]
+    unroll: bool = eqx.field(static=True)
+
+    def __init__(self, blocks: Sequence[AbstractPart], *, unroll: bool = False):
+        blocks = tuple(blocks)
+        if not blocks:
+            raise ValueError("Repeat: needs at least one block, got none.")
+        for i, block in enumerate(blocks):
+            check_part(block, f"Repeat.blocks[{i}]")
+        for i, block in enumerate(blocks[1:], start=1):
+            found = first_difference(blocks[0], block)
+            if found:
+                raise ValueError(
+                    f"Repeat: block {i} is not structurally identical to block 0; first "
+                    f"difference at {found}. Repeated blocks may differ only in array values."
+                )
+        self.blocks = blocks
+        self.unroll = bool(unroll)
+
+    @classmethod
+    def from_factory(
+        cls,
+        factory: Callable[[jax.Array], AbstractPart],
+        n: int,
+        key: jax.Array,
+        *,
+        unroll: bool = False,
+    ) -> Repeat:
+        """`n` blocks, `factory(key_i)` for `n` keys split from `key`."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Repeat.from_factory: n must be an int >= 1, got {n!r}.")
+        return cls([factory(k) for k in jax.random.split(key, n)], unroll=unroll)
+
+    def init_state(self, key: jax.Array) -> RepeatState:
+        keys = jax.random.split(key, len(self.blocks))
+        states = [block.init_state(k) for block, k in zip(self.blocks, keys)]
+        first = jax.tree_util.tree_map(jnp.asarray, states[0])
+        for i, state in enumerate(states[1:], start=1):
+            found = first_difference(first, jax.tree_util.tree_map(jnp.asarray, state))
+            if found:
+                raise ValueError(
+                    f"Repeat: block {i}'s initial state differs in structure from block 0's at "
+                    f"{found}; the states must stack on a leading axis."
+                )
+        return RepeatState(blocks=_stack(states))
+
+    def validate_input(self, x: Any, path: str) -> None:
+        self.blocks[0].validate_input(x, join_path(path, "[0]"))
+
+    def compile(self, path: str) -> Core:
+        n = len(self.blocks)
+        if self.unroll:
+            names = [join_path(path, f"[{i}]") for i in range(n)]
+            cores = [block.compile(name) for block, name in zip(self.blocks, names)]
+        else:
+            names = [join_path(path, "[*]")]
+            cores = [self.blocks[0].compile(names[0])]
+
+        def check_block(state: RepeatState, x) -> None:
+            """Trace-time check that a block keeps its input's shape and dtype."""
+            one = jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state.blocks
+            )
+            y = jax.eval_shape(lambda s, inp: cores[0].forward(s, inp)[0], one, x)
+            shape, dtype = getattr(y, "shape", None), getattr(y, "dtype", None)
+            if shape != jnp.shape(x) or dtype != jnp.result_type(x):
+                raise ValueError(
+                    f"{display_path(names[0])}: a repeated block must keep its input's shape "
+                    f"and dtype; input {_describe(x)}, output {dtype}{list(shape or ())}."
+                )
+
+        def forward(state: RepeatState, x):
+            check_block(state, x)
+            if self.unroll:
+                caches = []
+                for i, core in enumerate(cores):
+                    x, cache = core.forward(_slice(state.blocks, i), x)
+                    caches.append(cache)
+                return x, tuple(caches)
+
+            def step(h, block_state):
+                return cores[0].forward(block_state, h)
+
+            return jax.lax.scan(step, x, state.blocks)
+
+        def backward(state: RepeatState, cache, error):
+            if self.unroll:
+                new_states, metrics = [None] * n, [None] * n
+                for i in reversed(range(n)):
+                    error, new_states[i], metrics[i] = cores[i].backward(
+                        _slice(state.blocks, i), cache[i], error
+                    )
+                return error, RepeatState(blocks=_stack(new_states)), Stacked(_stack(metrics))
+
+            def step(e, block):
+                block_state, block_cache = block
+                e, new_state, block_metrics = cores[0].backward(block_state, block_cache, e)
+                return e, (new_state, block_metrics)
+
+            error, (new_states, metrics) = jax.lax.scan(
+                step, error, (state.blocks, cache), reverse=True
+            )
+            return error, RepeatState(blocks=new_states), Stacked(metrics)
+
+        def write_back(state: RepeatState) -> Repeat:
+            # Each block writes back onto itself (compiling is only building closures).
+            blocks = tuple(
+                block.compile(join_path(path, f"[{i}]")).write_back(_slice(state.blocks, i))
+                for i, block in enumerate(self.blocks)
+            )
+            return replace_fields(self, blocks=blocks)
+
+        return Core(forward, backward, write_back)

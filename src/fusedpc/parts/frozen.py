@@ -1,0 +1,215 @@
+"""Ready-made frozen parts, each a forward formula with its hand-derived backward.
+
+Every backward here is checked against `jax.vjp` of its forward by the test suite (and can be
+checked by users with `fusedpc.check_backward`). Shapes: inputs are `(..., features)`; every
+leading axis is a row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from fusedpc.parts._activations import get_activation
+from fusedpc.parts._frozen import Frozen
+
+__all__ = ["activation", "embedding", "gelu", "layer_norm", "linear", "relu", "softmax", "tanh"]
+
+
+def _linear_forward(params, x):
+    y = x @ params["weight"].T
+    if params["bias"] is not None:
+        y = y + params["bias"]
+    return y, None
+
+
+def _linear_backward(params, cache, error):
+    del cache
+    return error @ params["weight"]
+
+
+def linear(
+    linear_or_weight: eqx.nn.Linear | jax.Array, bias: jax.Array | None = None
+) -> Frozen:
+    """A frozen affine map $y = x W^\\top + b$ (the layout of `eqx.nn.Linear`).
+
+    Backward: $\\partial L/\\partial x = E W$ (the bias passes nothing back).
+    Accepts an `eqx.nn.Linear` or a weight of shape `(out, in)` with an optional bias `(out,)`.
+    """
+    if isinstance(linear_or_weight, eqx.nn.Linear):
+        weight = linear_or_weight.weight
+        bias = linear_or_weight.bias
+    else:
+        weight = jnp.asarray(linear_or_weight)
+    if weight.ndim != 2:
+        raise ValueError(f"linear: weight must have shape (out, in), got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"
+        )
+    return Frozen(
+        _linear_forward,
+        _linear_backward,
+        {"weight": weight, "bias": bias},
+        in_width=weight.shape[1],
+        name="linear",
+    )
+
+
+@functools.cache
+def _activation_formulas(name: str):
+    # One function pair per name, so that equal parts have equal (static) structure.
+    act = get_activation(name, "frozen.activation")
+
+    def forward(params, x):
+        del params
+        return act.value(x), x
+
+    def backward(params, x, error):
+        del params
+        return error * act.first(x)
+
+    forward.__name__ = name
+    return forward, backward
+
+
+def activation(name: str) -> Frozen:
+    """A frozen elementwise activation by name (identity, relu, tanh, sigmoid, gelu, elu, silu).
+
+    Backward: $\\partial L/\\partial x = E \\odot g'(x)$ with the closed-form $g'$.
+    """
+    forward, backward = _activation_formulas(name)
+    return Frozen(forward, backward, None, name=name)
+
+
+def gelu() -> Frozen:
+    """GELU in the tanh form that `jax.nn.gelu` uses by default; see `_activations` for $g'$."""
+    return activation("gelu")
+
+
+def relu() -> Frozen:
+    """$y = \\max(x, 0)$; backward $E \\odot [x > 0]$."""
+    return activation("relu")
+
+
+def _tanh_forward(params, x):
+    del params
+    y = jnp.tanh(x)
+    return y, y
+
+
+def _tanh_backward(params, y, error):
+    del params
+    return error * (1.0 - y * y)
+
+
+def tanh() -> Frozen:
+    """$y = \\tanh x$; backward $E \\odot (1 - y^2)$ (reads the cached output)."""
+    return Frozen(_tanh_forward, _tanh_backward, None, name="tanh")
+
+
+def _softmax_forward(params, x):
+    del params
+    y = jax.nn.softmax(x, axis=-1)
+    return y, y
+
+
+def _softmax_backward(params, y, error):
+    del params
+    return y * (error - jnp.sum(error * y, axis=-1, keepdims=True))
+
+
+def softmax() -> Frozen:
+    """Softmax over the last axis; backward $y \\odot (E - \\langle E, y \\rangle)$ per row."""
+    return Frozen(_softmax_forward, _softmax_backward, None, name="softmax")
+
+
+def layer_norm_forward(params, x):
+    """Per row: $m$ = mean, $s = \\sqrt{\\mathrm{var} + \\epsilon}$ (biased variance),
+    $\\hat n = (x - m)/s$, $y = \\gamma \\hat n + \\beta$. Returns `(y, (n_hat, 1/s))`."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    centred = x - mean
+    var = jnp.mean(centred * centred, axis=-1, keepdims=True)
+    inv_std = jax.lax.rsqrt(var + params["eps"])
+    n_hat = centred * inv_std
+    y = n_hat
+    if params["weight"] is not None:
+        y = y * params["weight"]
+    if params["bias"] is not None:
+        y = y + params["bias"]
+    return y, (n_hat, inv_std)
+
+
+def layer_norm_input_error(weight, cache, error):
+    """$e_s = E \\odot \\gamma$; $\\partial L/\\partial x = (e_s - \\overline{e_s}
+    - \\hat n\\, \\overline{e_s \\odot \\hat n}) / s$ (bars: means over the features)."""
+    n_hat, inv_std = cache
+    scaled = error if weight is None else error * weight
+    mean_e = jnp.mean(scaled, axis=-1, keepdims=True)
+    mean_en = jnp.mean(scaled * n_hat, axis=-1, keepdims=True)
+    return (scaled - mean_e - n_hat * mean_en) * inv_std
+
+
+def _layer_norm_backward(params, cache, error):
+    return layer_norm_input_error(params["weight"], cache, error)
+
+
+def layer_norm(
+    layer_norm_module: eqx.nn.LayerNorm | None = None,
+    *,
+    width: int | None = None,
+    eps: float = 1e-5,
+) -> Frozen:
+    """A LayerNorm over the last axis whose affine $(\\gamma, \\beta)$ stays fixed.
+
+    From an `eqx.nn.LayerNorm` (its `weight`, `bias`, `eps`), or `layer_norm(width=D)` for
+    $\\gamma = 1, \\beta = 0$. For a LayerNorm whose affine learns, use
+    `fusedpc.transplant.from_layer_norm`.
+    """
+    if layer_norm_module is not None:
+        shape = layer_norm_module.shape
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if len(shape) != 1:
+            raise ValueError(f"layer_norm: only a LayerNorm over the last axis, got shape {shape}")
+        width = shape[0]
+        params = {
+            "weight": layer_norm_module.weight,
+            "bias": layer_norm_module.bias,
+            "eps": jnp.asarray(layer_norm_module.eps, jnp.float32),
+        }
+    elif width is not None:
+        params = {"weight": None, "bias": None, "eps": jnp.asarray(eps, jnp.float32)}
+    else:
+        raise TypeError("layer_norm: pass an eqx.nn.LayerNorm or width=...")
+    return Frozen(
+        layer_norm_forward, _layer_norm_backward, params, in_width=width, name="layer_norm"
+    )
+
+
+def _embedding_forward(params, ids):
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"expected integer ids, got dtype {ids.dtype}")
+    return jnp.take(params["table"], ids, axis=0), None
+
+
+def _embedding_backward(params, cache, error):
+    del params, cache, error
+    return None
+
+
+def embedding(embedding_or_table: eqx.nn.Embedding | jax.Array) -> Frozen:
+    """A frozen lookup table: integer ids `(...)` in, rows `(..., D)` of the `(V, D)` table out.
+
+    Ids carry no error, so the backward returns `None`. For a table that learns, use
+    `fusedpc.transplant.from_embedding`.
+    """
+    if isinstance(embedding_or_table, eqx.nn.Embedding):
+        table = embedding_or_table.weight
+    else:
+        table = jnp.asarray(embedding_or_table)
+    if table.ndim != 2:
+        raise ValueError(f"embedding: table must have shape (vocab, width), got {table.shape}")
+    return Frozen(_embedding_forward, _embedding_backward, {"table": table}, name="embedding")

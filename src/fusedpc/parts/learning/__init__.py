@@ -1,0 +1,14 @@
+"""The learning parts: a predictive-coding network, embeddings and LayerNorm that learn
+locally through optax, and the local update rules they share."""
+
+from fusedpc.parts.learning._embedding import EmbeddingState as EmbeddingState
+from fusedpc.parts.learning._embedding import LayerNormParams as LayerNormParams
+from fusedpc.parts.learning._embedding import LayerNormState as LayerNormState
+from fusedpc.parts.learning._embedding import LearningEmbedding as LearningEmbedding
+from fusedpc.parts.learning._embedding import LearningLayerNorm as LearningLayerNorm
+from fusedpc.parts.learning._learning import LearningNetwork as LearningNetwork
+from fusedpc.parts.learning._learning import LearningNetworkState as LearningNetworkState
+from fusedpc.parts.learning._learning import NetworkParams as NetworkParams
+from fusedpc.parts.learning._local_update import LEARNING_KINDS as LEARNING_KINDS
+from fusedpc.parts.learning._local_update import SynapticSettings as SynapticSettings
+from fusedpc.parts.learning._network import PCNetwork as PCNetwork

@@ -1,0 +1,237 @@
+"""Learning parts for tables and LayerNorm affines.
+
+`LearningEmbedding` is the one-matrix learning network fed one-hot rows, computed at
+$O(R \\cdot D)$ instead of $O(R \\cdot V \\cdot D)$: the forward gathers rows of the table and the
+backward scatter-adds the error into them. For ids $i_r$ and output errors $E_r$ (gaussian
+output of unit precision), the row-mean gradient of the table $T$ (`(V, D)`, the layout of
+`eqx.nn.Embedding.weight`) is
+
+$$\\bar G_v = \\frac{k}{R} \\sum_{r: i_r = v} E_r,$$
+
+exactly $\\mathrm{mean}_r\\, E_r \\otimes \\mathrm{onehot}(i_r)$ of the dense network. The
+synaptic importance increment is $\\bar p \\,\\bar q_v$ with $\\bar p = k$ (unit output precision)
+and $\\bar q_v = |\\{r : i_r = v\\}| / R$, the batch mean of the squared one-hot input.
+
+`LearningLayerNorm` normalises each row, $\\hat n = (x - m)/s$, and learns its affine
+$y = \\gamma \\odot \\hat n + \\beta$ locally:
+$\\bar G_\\gamma = \\mathrm{mean}_r\\, E_r \\odot \\hat n_r$,
+$\\bar G_\\beta = \\mathrm{mean}_r\\, E_r$; its input error is the frozen LayerNorm's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from fusedpc.core._checks import check_ids, expect_last_axis
+from fusedpc.core._metrics import learning_metrics
+from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, replace_fields
+from fusedpc.parts.frozen import layer_norm_forward, layer_norm_input_error
+from fusedpc.parts.learning._local_update import optax_step, resolve_learning, synaptic_step
+
+
+class EmbeddingState(eqx.Module):
+    """`table` `(V, D)`, optax `opt_state`, `weight_precision` (synaptic kind only)."""
+
+    table: jax.Array
+    opt_state: PyTree
+    weight_precision: jax.Array | None
+
+
+class LearningEmbedding(AbstractPart):
+    """A learning lookup table: integer ids `(...)` in, rows `(..., D)` out.
+
+    Learns like a learning network with one matrix, no bias and a unit-precision gaussian
+    output fed one-hot rows (`precision_weighted` and `standard` coincide there), through an
+    optax `optimiser` or `synaptic_uncertainty`. Its input error is `None` (ids carry none).
+    """
+
+    table: jax.Array
+    optimiser: Any = eqx.field(static=True)
+    learning_kind: str = eqx.field(static=True)
+    learning_kwargs: tuple = eqx.field(static=True)
+    weight_reuse: float = eqx.field(static=True)
+    opt_state: PyTree
+    weight_precision: jax.Array | None
+
+    def __init__(
+        self,
+        table: jax.Array,
+        optimiser: optax.GradientTransformation | None = None,
+        learning_kind: str = "precision_weighted",
+        learning_kwargs: dict | None = None,
+        *,
+        weight_reuse: float = 1.0,
+        opt_state: PyTree = None,
+        weight_precision: jax.Array | None = None,
+    ):
+        table = jnp.asarray(table, jnp.float32)
+        if table.ndim != 2:
+            raise ValueError(
+                f"LearningEmbedding: table must have shape (vocab, width), got {table.shape}."
+            )
+        resolve_learning("LearningEmbedding", optimiser, learning_kind, learning_kwargs,
+                         weight_reuse)
+        self.table = table
+        self.optimiser = optimiser
+        self.learning_kind = learning_kind
+        self.learning_kwargs = tuple(sorted((learning_kwargs or {}).items()))
+        self.weight_reuse = float(weight_reuse)
+        self.opt_state = opt_state
+        self.weight_precision = weight_precision
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.table.shape[0])
+
+    def validate_input(self, x: Any, path: str) -> None:
+        check_ids(x, self.vocab_size, path)
+
+    def init_state(self, key: jax.Array) -> EmbeddingState:
+        del key
+        opt_state = self.opt_state
+        if opt_state is None and self.optimiser is not None:
+            opt_state = self.optimiser.init(self.table)
+        weight_precision = self.weight_precision
+        if weight_precision is None and self.learning_kind == "synaptic_uncertainty":
+            weight_precision = jnp.zeros_like(self.table)
+        return EmbeddingState(self.table, opt_state, weight_precision)
+
+    def compile(self, path: str) -> Core:
+        vocab, width = self.table.shape
+        synaptic = resolve_learning(
+            "LearningEmbedding", self.optimiser, self.learning_kind,
+            dict(self.learning_kwargs), self.weight_reuse,
+        )
+        k = self.weight_reuse
+
+        def forward(state: EmbeddingState, ids):
+            if not jnp.issubdtype(ids.dtype, jnp.integer):
+                raise TypeError(
+                    f"{display_path(path)}: expected integer token ids, got dtype {ids.dtype} "
+                    f"(shape {tuple(ids.shape)}); convert with .astype(jnp.int32)."
+                )
+            return jnp.take(state.table, ids, axis=0), ids
+
+        def backward(state: EmbeddingState, ids, error):
+            expect_last_axis(path, error, width, what="error")
+            flat_ids = ids.reshape(-1)
+            rows = error.reshape(-1, width)
+            n_rows = rows.shape[0]
+            gradient = jnp.zeros_like(state.table).at[flat_ids].add(rows) * (k / n_rows)
+            table, opt_state, weight_precision = state.table, state.opt_state, None
+            if synaptic is not None:
+                counts = jnp.zeros((vocab,), state.table.dtype).at[flat_ids].add(1.0)
+                increment = jnp.broadcast_to((k * counts / n_rows)[:, None], table.shape)
+                table, weight_precision = synaptic_step(
+                    synaptic, table, gradient, state.weight_precision, increment
+                )
+            elif self.optimiser is not None:
+                table, opt_state = optax_step(self.optimiser, table, gradient, opt_state)
+            new_state = EmbeddingState(table, opt_state, weight_precision)
+            metrics = learning_metrics(state.table, table, error, None, (vocab, width))
+            return None, new_state, metrics
+
+        def write_back(state: EmbeddingState) -> LearningEmbedding:
+            return replace_fields(
+                self,
+                table=state.table,
+                opt_state=state.opt_state,
+                weight_precision=state.weight_precision,
+            )
+
+        return Core(forward, backward, write_back)
+
+
+
+class LayerNormParams(eqx.Module):
+    weight: jax.Array
+    bias: jax.Array
+
+
+class LayerNormState(eqx.Module):
+    """`params` ($\\gamma$ `weight`, $\\beta$ `bias`, each `(D,)`) and the optax `opt_state`."""
+
+    params: LayerNormParams
+    opt_state: PyTree
+
+
+class LearningLayerNorm(AbstractPart):
+    """A LayerNorm over the last axis whose affine $(\\gamma, \\beta)$ learns locally.
+
+    With `optimiser=None` it behaves as a frozen LayerNorm.
+    """
+
+    weight: jax.Array
+    bias: jax.Array
+    eps: float = eqx.field(static=True)
+    optimiser: Any = eqx.field(static=True)
+    opt_state: PyTree
+
+    def __init__(
+        self,
+        weight: jax.Array,
+        bias: jax.Array,
+        optimiser: optax.GradientTransformation | None = None,
+        *,
+        eps: float = 1e-5,
+        opt_state: PyTree = None,
+    ):
+        weight = jnp.asarray(weight, jnp.float32)
+        bias = jnp.asarray(bias, jnp.float32)
+        if weight.ndim != 1 or bias.shape != weight.shape:
+            raise ValueError(
+                f"LearningLayerNorm: weight and bias must both have shape (D,), got "
+                f"{weight.shape} and {bias.shape}."
+            )
+        resolve_learning("LearningLayerNorm", optimiser, "precision_weighted", None, 1.0)
+        self.weight = weight
+        self.bias = bias
+        self.eps = float(eps)
+        self.optimiser = optimiser
+        self.opt_state = opt_state
+
+    def init_state(self, key: jax.Array) -> LayerNormState:
+        del key
+        params = LayerNormParams(self.weight, self.bias)
+        opt_state = self.opt_state
+        if opt_state is None and self.optimiser is not None:
+            opt_state = self.optimiser.init(params)
+        return LayerNormState(params, opt_state)
+
+    def compile(self, path: str) -> Core:
+        width = self.weight.shape[0]
+        eps = self.eps
+
+        def forward(state: LayerNormState, x):
+            expect_last_axis(path, x, width)
+            params = {"weight": state.params.weight, "bias": state.params.bias, "eps": eps}
+            return layer_norm_forward(params, x)
+
+        def backward(state: LayerNormState, cache, error):
+            n_hat, _ = cache
+            input_error = layer_norm_input_error(state.params.weight, cache, error)
+            rows_e = error.reshape(-1, width)
+            rows_n = n_hat.reshape(-1, width)
+            gradients = LayerNormParams(
+                weight=jnp.mean(rows_e * rows_n, axis=0), bias=jnp.mean(rows_e, axis=0)
+            )
+            params, opt_state = state.params, state.opt_state
+            if self.optimiser is not None:
+                params, opt_state = optax_step(self.optimiser, params, gradients, opt_state)
+            metrics = learning_metrics(state.params, params, error, input_error, (width,))
+            return input_error, LayerNormState(params, opt_state), metrics
+
+        def write_back(state: LayerNormState) -> LearningLayerNorm:
+            return replace_fields(
+                self,
+                weight=state.params.weight,
+                bias=state.params.bias,
+                opt_state=state.opt_state,
+            )
+
+        return Core(forward, backward, write_back)

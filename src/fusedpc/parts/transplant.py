@@ -1,0 +1,169 @@
+"""Converters from equinox modules to learning parts initialised at the same weights.
+
+Each converter's part computes exactly the module's forward. `**learning` are the learning
+part's keywords: `optimiser`, `learning_kind`, `learning_kwargs`, `update_precisions`,
+`time_step`, `weight_reuse` (and `tonic_volatility`), plus `head` (`"gaussian"` default,
+`"categorical"`, `"binary"`) and, where there are hidden layers, `hidden_precision`.
+
+| converter | network sizes | weights |
+| --- | --- | --- |
+| `from_linear(lin)` | `[in, out]` | `W_0 = lin.weight`, `b_0 = lin.bias` |
+| `from_linears([l1, l2, ...])` | `[in, sum(out)]` | rows stacked in order |
+| `from_feedforward(fc1, fc2, act)` | `[in, hidden, out]` | `fc1` then `fc2`, `act` between |
+| `from_embedding(emb)` | table `(V, D)` | gather / scatter-add (`LearningEmbedding`) |
+| `from_layer_norm(ln)` | `(D,)` affine | `LearningLayerNorm` |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax.numpy as jnp
+
+from fusedpc.parts.learning._embedding import LearningEmbedding, LearningLayerNorm
+from fusedpc.parts.learning._learning import LearningNetwork
+from fusedpc.parts.learning._network import PCNetwork
+
+_NETWORK_KEYS = ("head", "hidden_precision", "output_precision", "input_activation")
+_PART_KEYS = (
+    "optimiser",
+    "learning_kind",
+    "learning_kwargs",
+    "update_precisions",
+    "time_step",
+    "tonic_volatility",
+    "weight_reuse",
+)
+
+
+def _split_learning(where: str, learning: dict, network_keys=_NETWORK_KEYS):
+    unknown = sorted(set(learning) - set(network_keys) - set(_PART_KEYS))
+    if unknown:
+        raise TypeError(
+            f"{where}: unknown keywords {unknown}; allowed: {sorted(network_keys + _PART_KEYS)}."
+        )
+    network = {k: v for k, v in learning.items() if k in network_keys}
+    part = {k: v for k, v in learning.items() if k in _PART_KEYS}
+    return network, part
+
+
+def _check_linear(where: str, linear) -> None:
+    if not isinstance(linear, eqx.nn.Linear):
+        raise TypeError(f"{where}: expected an eqx.nn.Linear, got {type(linear).__name__}.")
+    if linear.weight.ndim != 2:
+        raise ValueError(f"{where}: expected a 2-D weight, got shape {linear.weight.shape}.")
+
+
+def from_linear(linear: eqx.nn.Linear, **learning) -> LearningNetwork:
+    """A learning part computing `linear(x)` on `(..., in)` rows: sizes `[in, out]`."""
+    _check_linear("from_linear", linear)
+    net_kw, part_kw = _split_learning("from_linear", learning, ("head", "output_precision",
+                                                                "input_activation"))
+    out_width, in_width = linear.weight.shape
+    has_bias = linear.bias is not None
+    network = PCNetwork(
+        [in_width, out_width], (), bias=has_bias,
+        weights=[linear.weight], biases=[linear.bias if has_bias else None], **net_kw,
+    )
+    return LearningNetwork(network, **part_kw)
+
+
+def from_linears(linears: Sequence[eqx.nn.Linear], **learning) -> LearningNetwork:
+    """Several linears sharing one input, outputs stacked in order (e.g. a fused Q/K/V)."""
+    linears = list(linears)
+    if not linears:
+        raise ValueError("from_linears: needs at least one eqx.nn.Linear.")
+    for i, lin in enumerate(linears):
+        _check_linear(f"from_linears: linears[{i}]", lin)
+    in_widths = [lin.weight.shape[1] for lin in linears]
+    if len(set(in_widths)) != 1:
+        raise ValueError(
+            f"from_linears: every linear must share its in_features; got {in_widths}."
+        )
+    has_bias = [lin.bias is not None for lin in linears]
+    if len(set(has_bias)) != 1:
+        raise ValueError(
+            f"from_linears: either all linears have a bias or none does; got use_bias "
+            f"{has_bias}."
+        )
+    net_kw, part_kw = _split_learning("from_linears", learning, ("head", "output_precision",
+                                                                  "input_activation"))
+    weight = jnp.concatenate([lin.weight for lin in linears], axis=0)
+    bias = jnp.concatenate([lin.bias for lin in linears]) if has_bias[0] else None
+    network = PCNetwork(
+        [in_widths[0], weight.shape[0]], (), bias=has_bias[0], weights=[weight], biases=[bias],
+        **net_kw,
+    )
+    return LearningNetwork(network, **part_kw)
+
+
+def from_feedforward(
+    fc1: eqx.nn.Linear, fc2: eqx.nn.Linear, activation: str = "gelu", **learning
+) -> LearningNetwork:
+    """`fc2(activation(fc1(x)))` as one learning network: sizes `[in, hidden, out]`.
+
+    fc1's bias sits inside the activation (the hidden layer holds pre-activations).
+    """
+    _check_linear("from_feedforward: fc1", fc1)
+    _check_linear("from_feedforward: fc2", fc2)
+    hidden, in_width = fc1.weight.shape
+    out_width, hidden2 = fc2.weight.shape
+    if hidden != hidden2:
+        raise ValueError(
+            f"from_feedforward: fc1 has {hidden} out_features but fc2 has {hidden2} "
+            "in_features; they must match."
+        )
+    net_kw, part_kw = _split_learning("from_feedforward", learning)
+    bias = (fc1.bias is not None, fc2.bias is not None)
+    network = PCNetwork(
+        [in_width, hidden, out_width], (activation,), bias=bias,
+        weights=[fc1.weight, fc2.weight], biases=[fc1.bias, fc2.bias], **net_kw,
+    )
+    return LearningNetwork(network, **part_kw)
+
+
+def from_embedding(embedding: eqx.nn.Embedding, **learning) -> LearningEmbedding:
+    """A learning embedding at the table of `embedding` (gather forward, scatter-add backward).
+
+    Accepts `optimiser`, `learning_kind`, `learning_kwargs` and `weight_reuse`.
+    """
+    if not isinstance(embedding, eqx.nn.Embedding):
+        raise TypeError(
+            f"from_embedding: expected an eqx.nn.Embedding, got {type(embedding).__name__}."
+        )
+    allowed = ("optimiser", "learning_kind", "learning_kwargs", "weight_reuse")
+    unknown = sorted(set(learning) - set(allowed))
+    if unknown:
+        raise TypeError(f"from_embedding: unknown keywords {unknown}; allowed: {list(allowed)}.")
+    return LearningEmbedding(embedding.weight, **learning)
+
+
+def from_layer_norm(layer_norm: eqx.nn.LayerNorm, **learning) -> LearningLayerNorm:
+    """A LayerNorm whose affine learns (`optimiser`), at the module's weight, bias and eps.
+
+    A LayerNorm built without an affine starts from $\\gamma = 1$, $\\beta = 0$.
+    """
+    if not isinstance(layer_norm, eqx.nn.LayerNorm):
+        raise TypeError(
+            f"from_layer_norm: expected an eqx.nn.LayerNorm, got {type(layer_norm).__name__}."
+        )
+    unknown = sorted(set(learning) - {"optimiser"})
+    if unknown:
+        raise TypeError(f"from_layer_norm: unknown keywords {unknown}; allowed: ['optimiser'].")
+    shape = layer_norm.shape
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if len(shape) != 1:
+        raise ValueError(f"from_layer_norm: only a LayerNorm over the last axis, got {shape}.")
+    weight = layer_norm.weight if layer_norm.weight is not None else jnp.ones(shape, jnp.float32)
+    bias = layer_norm.bias if layer_norm.bias is not None else jnp.zeros(shape, jnp.float32)
+    return LearningLayerNorm(weight, bias, eps=layer_norm.eps, **learning)
+
+
+__all__ = [
+    "from_embedding",
+    "from_feedforward",
+    "from_layer_norm",
+    "from_linear",
+    "from_linears",
+]

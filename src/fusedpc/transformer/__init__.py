@@ -1,0 +1,13 @@
+"""The transformer: blocks, the GPT part, its builders, export to the equinox reference model
+(`fusedpc.transformer.reference`, with its backprop step) and generation."""
+
+from fusedpc.transformer import reference as reference
+from fusedpc.transformer._build import GPTConfig as GPTConfig
+from fusedpc.transformer._build import build_gpt as build_gpt
+from fusedpc.transformer._build import hybrid_from_gpt as hybrid_from_gpt
+from fusedpc.transformer._build import to_reference as to_reference
+from fusedpc.transformer._generate import generate as generate
+from fusedpc.transformer._gpt import BlockState as BlockState
+from fusedpc.transformer._gpt import GPTPart as GPTPart
+from fusedpc.transformer._gpt import GPTState as GPTState
+from fusedpc.transformer._gpt import TransformerBlock as TransformerBlock

@@ -1,0 +1,392 @@
+"""Builders of GPT parts: from a reference equinox GPT, and from a config.
+
+`hybrid_from_gpt` keeps every slot frozen at the reference weights unless a part is given for
+it, so the all-frozen tree reproduces the reference logits and any slot can be swapped for a
+learning part initialised at the same weights. `build_gpt` draws a reference GPT from a key
+and asks for learning parts by slot name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import optax
+
+from fusedpc.core._checks import check_part
+from fusedpc.core._part import AbstractPart
+from fusedpc.parts import frozen, transplant
+from fusedpc.parts._attention import MultiHeadAttention
+from fusedpc.parts._compose import Sequential
+from fusedpc.parts._frozen import Frozen
+from fusedpc.parts._repeat import Repeat
+from fusedpc.parts.learning._embedding import LearningEmbedding, LearningLayerNorm
+from fusedpc.parts.learning._learning import LearningNetwork
+from fusedpc.transformer._gpt import GPTPart, TransformerBlock
+from fusedpc.transformer.reference import GPT
+
+# `scan="auto"` unrolls this many blocks or fewer (see `hybrid_from_gpt`).
+AUTO_UNROLL_BLOCKS = 4
+SCAN_CHOICES = (True, False, "auto")
+
+
+def blocks_form(scan: bool | str, n_blocks: int, where: str = "scan") -> str:
+    """How `hybrid_from_gpt(scan=...)` runs `n_blocks` identical blocks: `"scanned"` (a
+    `Repeat` in a `lax.scan`), `"unrolled"` (a `Repeat` unrolled) or `"tuple"` (independent
+    blocks). `where` names the setting in the error for a `scan` that is none of
+    `SCAN_CHOICES`."""
+    if scan not in SCAN_CHOICES:
+        raise ValueError(f"{where} must be True, False or 'auto', got {scan!r}.")
+    if scan is False:
+        return "tuple"
+    if scan == "auto" and n_blocks <= AUTO_UNROLL_BLOCKS:
+        return "unrolled"
+    return "scanned"
+
+SLOTS = ("token", "position", "attention", "feed_forward", "norm", "head")
+LEARNING_PRESETS = {
+    "all": SLOTS,
+    "ff_head": ("feed_forward", "head"),
+    "none": (),
+}
+_ATTENTION_KEYS = ("wq", "wk", "wv", "wo", "wqkv")
+
+
+def _per_block(value: Any, n_blocks: int, what: str) -> list:
+    if value is None:
+        return [None] * n_blocks
+    if callable(value) and not isinstance(value, AbstractPart):
+        return [value(i) for i in range(n_blocks)]
+    value = list(value)
+    if len(value) != n_blocks:
+        raise ValueError(
+            f"hybrid_from_gpt: {what} must have one entry per block ({n_blocks}), got "
+            f"{len(value)}."
+        )
+    return value
+
+
+def _attention_part(attn, given: dict | None, where: str) -> MultiHeadAttention:
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(_ATTENTION_KEYS))
+    if unknown:
+        raise ValueError(
+            f"hybrid_from_gpt: {where} has unknown keys {unknown}; allowed: {_ATTENTION_KEYS}."
+        )
+    wo = given.get("wo") or frozen.linear(attn.wo)
+    if "wqkv" in given:
+        if {"wq", "wk", "wv"} & set(given):
+            raise ValueError(
+                f"hybrid_from_gpt: {where} gives 'wqkv' together with separate wq/wk/wv; give "
+                "one or the other."
+            )
+        return MultiHeadAttention(wqkv=given["wqkv"], wo=wo, n_heads=attn.n_heads)
+    slots = {
+        name: given.get(name) or frozen.linear(getattr(attn, name)) for name in ("wq", "wk", "wv")
+    }
+    return MultiHeadAttention(**slots, wo=wo, n_heads=attn.n_heads)
+
+
+def hybrid_from_gpt(
+    gpt: GPT,
+    ff_parts: Sequence[AbstractPart | None] | Callable[[int], AbstractPart | None] | None = None,
+    attention_parts: Sequence[dict | None] | Callable[[int], dict | None] | None = None,
+    head_part: AbstractPart | None = None,
+    token_part: AbstractPart | None = None,
+    position_part: AbstractPart | None = None,
+    norm_parts: Callable[[Any], AbstractPart] | None = None,
+    *,
+    scan: bool | str = "auto",
+    output: str = "logits",
+) -> GPTPart:
+    """A `GPTPart` at the weights of a reference `fusedpc.transformer.reference.GPT`.
+
+    Every slot not given stays frozen at the reference weights (feed-forward: linear, GELU,
+    linear). `ff_parts[i]` / `attention_parts[i]` (a dict with any of `"wq"`, `"wk"`, `"wv"`,
+    `"wo"`, or `"wqkv"` and optionally `"wo"`) replace block i's slots; either may also be a
+    callable of the block index. `norm_parts(ln)` is applied to every LayerNorm (`n1`, `n2`,
+    `norm_f`). Structurally identical blocks are held by a `Repeat` (their states stacked);
+    `scan=True` runs them in a `lax.scan` (compile time flat in depth), `scan="auto"` (the
+    default) unrolls the `Repeat` up to `AUTO_UNROLL_BLOCKS` blocks and scans beyond, and
+    `scan=False`, or blocks that differ, give a tuple of independent blocks.
+    `output="probabilities"` marks a categorical head.
+
+    Why "auto": for a few blocks the unrolled program steps faster (on CPU the scan
+    zero-fills and copies its stacked caches: 10 % of the step at 4 blocks of width 256), at
+    some compile time (4 blocks of width 256: ~8.5 s against ~6 s); from about 8 blocks on
+    the scan costs nothing per step and keeps compile time flat (docs/performance.md).
+    Unrolled or scanned, a `Repeat` has the same state layout, so checkpoints move between
+    the two.
+    """
+    if not isinstance(gpt, GPT):
+        raise TypeError(
+            f"hybrid_from_gpt: expected a fusedpc.transformer.reference.GPT, got "
+            f"{type(gpt).__name__}."
+        )
+    n_blocks = len(gpt.blocks)
+    form = blocks_form(scan, n_blocks, "hybrid_from_gpt: scan")
+    ffs = _per_block(ff_parts, n_blocks, "ff_parts")
+    attns = _per_block(attention_parts, n_blocks, "attention_parts")
+    norm = norm_parts or frozen.layer_norm
+    blocks = []
+    for i, (block, ff, attn) in enumerate(zip(gpt.blocks, ffs, attns)):
+        where = f"blocks[{i}]"
+        if ff is None:
+            ff = Sequential(
+                [frozen.linear(block.ff.fc1), frozen.gelu(), frozen.linear(block.ff.fc2)]
+            )
+        blocks.append(
+            TransformerBlock(
+                n1=check_part(norm(block.n1), f"{where}.n1"),
+                attention=_attention_part(block.attn, attn, f"attention_parts[{i}]"),
+                n2=check_part(norm(block.n2), f"{where}.n2"),
+                feed_forward=check_part(ff, f"{where}.feed_forward"),
+            )
+        )
+    stacked: Any = tuple(blocks)
+    if form != "tuple":
+        try:
+            stacked = Repeat(blocks, unroll=form == "unrolled")
+        except (TypeError, ValueError):
+            stacked = tuple(blocks)  # blocks differ: run them unrolled
+    return GPTPart(
+        token=token_part or frozen.embedding(gpt.tok_emb),
+        position=position_part or frozen.embedding(gpt.pos_emb),
+        blocks=stacked,
+        norm_f=check_part(norm(gpt.norm_f), "norm_f"),
+        head=head_part or frozen.linear(gpt.head),
+        vocab_size=gpt.vocab_size,
+        max_len=gpt.max_len,
+        output=output,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Size and learning choices of a GPT part.
+
+    `learn` names the slots that learn (`"token"`, `"position"`, `"attention"`,
+    `"feed_forward"`, `"norm"`, `"head"`), or a preset `"all"`, `"ff_head"`, `"none"`.
+    `head_kind` `"gaussian"` outputs logits (error `softmax_cross_entropy`); `"categorical"`
+    outputs probabilities (error `cross_entropy`); both give the cross-entropy gradient.
+    `scan` is `hybrid_from_gpt`'s: `"auto"` (unrolled up to `AUTO_UNROLL_BLOCKS` blocks,
+    scanned beyond), `True` (always scanned) or `False` (a tuple of blocks).
+    """
+
+    vocab_size: int = 65
+    width: int = 64
+    n_heads: int = 4
+    n_blocks: int = 2
+    ff_width: int = 256
+    max_len: int = 64
+    learn: tuple[str, ...] | str = "all"
+    learning_kind: str = "precision_weighted"
+    learning_kwargs: dict | None = None
+    fused_qkv: bool = False
+    head_kind: str = "gaussian"
+    hidden_precision: float = 1.0
+    scan: bool | str = "auto"
+
+    def learning_slots(self) -> tuple[str, ...]:
+        learn = self.learn
+        if isinstance(learn, str):
+            if learn in LEARNING_PRESETS:
+                return LEARNING_PRESETS[learn]
+            learn = tuple(s.strip() for s in learn.split(",") if s.strip())
+        unknown = sorted(set(learn) - set(SLOTS))
+        if unknown:
+            raise ValueError(
+                f"GPTConfig.learn: unknown slots {unknown}; choose from {SLOTS} or a preset "
+                f"{sorted(LEARNING_PRESETS)}."
+            )
+        return tuple(learn)
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "width", "n_heads", "n_blocks", "ff_width", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.width % self.n_heads:
+            raise ValueError(
+                f"GPTConfig: n_heads={self.n_heads} must divide width={self.width}."
+            )
+        if self.head_kind not in ("gaussian", "categorical"):
+            raise ValueError(
+                f"GPTConfig.head_kind must be 'gaussian' or 'categorical', got {self.head_kind!r}."
+            )
+        blocks_form(self.scan, self.n_blocks, "GPTConfig.scan")
+        self.learning_slots()
+
+    @property
+    def error_fn(self) -> str:
+        return "cross_entropy" if self.head_kind == "categorical" else "softmax_cross_entropy"
+
+
+def build_gpt(
+    config: GPTConfig,
+    optimiser: optax.GradientTransformation | None,
+    key: jax.Array,
+    *,
+    slot_optimisers: dict[str, optax.GradientTransformation | None] | None = None,
+) -> tuple[GPTPart, GPT]:
+    """A reference GPT drawn from `key` and the GPT part built from it per `config`.
+
+    `slot_optimisers` gives some slots (`"token"`, `"position"`, `"attention"`,
+    `"feed_forward"`, `"norm"`, `"head"`) an optimiser of their own — e.g. the per-part rates
+    that `fusedpc report` suggests — instead of `optimiser`. Returns `(part, reference)`: the
+    reference is the backprop twin at the same weights.
+    """
+    config.validate()
+    slot_optimisers = dict(slot_optimisers or {})
+    unknown = sorted(set(slot_optimisers) - set(SLOTS))
+    if unknown:
+        raise ValueError(f"build_gpt: slot_optimisers has unknown slots {unknown}; choose from "
+                         f"{SLOTS}.")
+    reference = GPT(
+        config.vocab_size,
+        config.width,
+        config.n_heads,
+        config.n_blocks,
+        config.ff_width,
+        config.max_len,
+        key=key,
+    )
+    slots = set(config.learning_slots())
+    synaptic = config.learning_kind == "synaptic_uncertainty"
+
+    def slot_optimiser(slot):
+        return slot_optimisers.get(slot, optimiser)
+
+    def learning_for(slot):
+        return {
+            "optimiser": None if synaptic else slot_optimiser(slot),
+            "learning_kind": config.learning_kind,
+            "learning_kwargs": config.learning_kwargs,
+        }
+
+    ff_parts = attention_parts = None
+    if "feed_forward" in slots:
+        ff_parts = [
+            transplant.from_feedforward(
+                b.ff.fc1, b.ff.fc2, "gelu", hidden_precision=config.hidden_precision,
+                **learning_for("feed_forward"),
+            )
+            for b in reference.blocks
+        ]
+    if "attention" in slots:
+        attention_parts = []
+        learning = learning_for("attention")
+        for b in reference.blocks:
+            a = b.attn
+            if config.fused_qkv:
+                parts = {"wqkv": transplant.from_linears([a.wq, a.wk, a.wv], **learning)}
+            else:
+                parts = {n: transplant.from_linear(getattr(a, n), **learning)
+                         for n in ("wq", "wk", "wv")}
+            parts["wo"] = transplant.from_linear(a.wo, **learning)
+            attention_parts.append(parts)
+    head_part = None
+    if "head" in slots:
+        head_part = transplant.from_linear(
+            reference.head, head=config.head_kind, **learning_for("head")
+        )
+    token_part = position_part = None
+    if "token" in slots:
+        token_part = transplant.from_embedding(reference.tok_emb, **learning_for("token"))
+    if "position" in slots:
+        position_part = transplant.from_embedding(reference.pos_emb, **learning_for("position"))
+    norm_parts = None
+    if "norm" in slots:
+        def norm_parts(ln):
+            return transplant.from_layer_norm(ln, optimiser=slot_optimiser("norm"))
+    part = hybrid_from_gpt(
+        reference,
+        ff_parts=ff_parts,
+        attention_parts=attention_parts,
+        head_part=head_part,
+        token_part=token_part,
+        position_part=position_part,
+        norm_parts=norm_parts,
+        scan=config.scan,
+        output="probabilities" if config.head_kind == "categorical" else "logits",
+    )
+    return part, reference
+
+
+def _linear_arrays(part: Any, where: str) -> list[tuple[Any, Any]]:
+    """The `(weight, bias)` pairs of a slot, in forward order (frozen or learning)."""
+    if isinstance(part, LearningNetwork):
+        return list(zip(part.network.weights, part.network.biases))
+    if isinstance(part, Sequential):
+        return [pair for i, p in enumerate(part.parts)
+                for pair in _linear_arrays(p, f"{where}.parts[{i}]")]
+    if isinstance(part, Frozen):
+        params = part.params
+        if isinstance(params, dict) and "weight" in params and params["weight"].ndim == 2:
+            return [(params["weight"], params["bias"])]
+        return []
+    raise TypeError(f"to_reference: cannot read linear weights from {where} "
+                    f"({type(part).__name__}).")
+
+
+def _set_linear(linear, pair):
+    weight, bias = pair
+    linear = eqx.tree_at(lambda m: m.weight, linear, weight)
+    if linear.bias is not None:
+        linear = eqx.tree_at(lambda m: m.bias, linear, bias)
+    return linear
+
+
+def _norm_arrays(part: Any) -> tuple[Any, Any]:
+    if isinstance(part, LearningLayerNorm):
+        return part.weight, part.bias
+    return part.params["weight"], part.params["bias"]
+
+
+def _table(part: Any):
+    return part.table if isinstance(part, LearningEmbedding) else part.params["table"]
+
+
+def to_reference(part: GPTPart, reference: GPT) -> GPT:
+    """The reference equinox GPT holding a GPT part's current weights (e.g. after
+    `pipeline.merge()`), for use outside fusedpc or comparison with a backprop twin.
+
+    `reference` gives the architecture (any GPT of the same sizes).
+    """
+    model = reference
+    model = eqx.tree_at(lambda m: m.tok_emb.weight, model, _table(part.token))
+    model = eqx.tree_at(lambda m: m.pos_emb.weight, model, _table(part.position))
+    blocks = part.blocks.blocks if isinstance(part.blocks, Repeat) else part.blocks
+    new_blocks = []
+    for i, (block, ref) in enumerate(zip(blocks, model.blocks)):
+        attn = block.attention
+        if attn.wqkv is not None:
+            (weight, bias), = _linear_arrays(attn.wqkv, f"blocks[{i}].attention.wqkv")
+            width = weight.shape[1]
+            pairs = [
+                (weight[j * width:(j + 1) * width],
+                 None if bias is None else bias[j * width:(j + 1) * width])
+                for j in range(3)
+            ]
+        else:
+            pairs = [_linear_arrays(getattr(attn, n), f"blocks[{i}].attention.{n}")[0]
+                     for n in ("wq", "wk", "wv")]
+        pairs.append(_linear_arrays(attn.wo, f"blocks[{i}].attention.wo")[0])
+        new_attn = ref.attn
+        for name, pair in zip(("wq", "wk", "wv", "wo"), pairs):
+            new_attn = eqx.tree_at(lambda a, n=name: getattr(a, n), new_attn,
+                                   _set_linear(getattr(new_attn, name), pair))
+        fc1, fc2 = _linear_arrays(block.feed_forward, f"blocks[{i}].feed_forward")
+        ff = eqx.tree_at(lambda f: (f.fc1, f.fc2), ref.ff,
+                         (_set_linear(ref.ff.fc1, fc1), _set_linear(ref.ff.fc2, fc2)))
+        n1 = eqx.tree_at(lambda n: (n.weight, n.bias), ref.n1, _norm_arrays(block.n1))
+        n2 = eqx.tree_at(lambda n: (n.weight, n.bias), ref.n2, _norm_arrays(block.n2))
+        new_blocks.append(eqx.tree_at(lambda b: (b.attn, b.ff, b.n1, b.n2), ref,
+                                      (new_attn, ff, n1, n2)))
+    model = eqx.tree_at(lambda m: m.blocks, model, tuple(new_blocks))
+    model = eqx.tree_at(lambda m: (m.norm_f.weight, m.norm_f.bias), model,
+                        _norm_arrays(part.norm_f))
+    (head,) = _linear_arrays(part.head, "head")
+    return eqx.tree_at(lambda m: m.head, model, _set_linear(model.head, head))

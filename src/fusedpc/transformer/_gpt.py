@@ -1,0 +1,243 @@
+"""The GPT part: token ids in, logits (or probabilities) out, every slot frozen or learning.
+
+$$h_0 = T[\\mathrm{ids}] + P[0{:}T], \\qquad
+h' = h + \\mathrm{attention}(\\mathrm{LN}_1(h)), \\qquad
+h'' = h' + \\mathrm{ff}(\\mathrm{LN}_2(h')),$$
+
+then a final LayerNorm and the head. Backward walks the same tree in reverse: each residual
+junction adds its two messages; the token table learns from the error at the embedding
+output row by row, and the position table from its **batch mean** $\\frac1B\\sum_b E_{b,t}$, so
+that its own $1/T$ row mean times the $1/B$ reproduces the $1/(BT)$ loss average. The GPT
+part's input error is the error at the embedding output, `(batch, seq, width)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from fusedpc.core._checks import check_ids, check_part, expect_rank
+from fusedpc.core._metrics import named
+from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
+
+
+class BlockState(eqx.Module):
+    n1: PyTree
+    attention: PyTree
+    n2: PyTree
+    feed_forward: PyTree
+
+
+class TransformerBlock(AbstractPart):
+    """A pre-norm block: $h' = h + \\mathrm{attention}(n_1(h))$, $h'' = h' + \\mathrm{ff}(n_2(h'))$.
+
+    Backward: $e_{h'} = e + n_2^\\top(\\mathrm{ff}^\\top(e))$,
+    $e_h = e_{h'} + n_1^\\top(\\mathrm{attention}^\\top(e_{h'}))$.
+    Every slot is any part; report rows read `...n1`, `...attention.wq`, `...feed_forward`.
+    """
+
+    n1: AbstractPart
+    attention: AbstractPart
+    n2: AbstractPart
+    feed_forward: AbstractPart
+
+    def __init__(self, n1, attention, n2, feed_forward):
+        self.n1 = check_part(n1, "TransformerBlock.n1")
+        self.attention = check_part(attention, "TransformerBlock.attention")
+        self.n2 = check_part(n2, "TransformerBlock.n2")
+        self.feed_forward = check_part(feed_forward, "TransformerBlock.feed_forward")
+
+    def init_state(self, key: jax.Array) -> BlockState:
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        return BlockState(
+            self.n1.init_state(k1),
+            self.attention.init_state(k2),
+            self.n2.init_state(k3),
+            self.feed_forward.init_state(k4),
+        )
+
+    def compile(self, path: str) -> Core:
+        names = ("n1", "attention", "n2", "feed_forward")
+        cores = {n: getattr(self, n).compile(join_path(path, n)) for n in names}
+
+        def forward(state: BlockState, x):
+            a, c_n1 = cores["n1"].forward(state.n1, x)
+            a, c_attn = cores["attention"].forward(state.attention, a)
+            h = x + a
+            f, c_n2 = cores["n2"].forward(state.n2, h)
+            f, c_ff = cores["feed_forward"].forward(state.feed_forward, f)
+            return h + f, (c_n1, c_attn, c_n2, c_ff)
+
+        def backward(state: BlockState, cache, error):
+            c_n1, c_attn, c_n2, c_ff = cache
+            e, s_ff, m_ff = cores["feed_forward"].backward(state.feed_forward, c_ff, error)
+            e, s_n2, m_n2 = cores["n2"].backward(state.n2, c_n2, e)
+            e_h = error + e
+            e, s_attn, m_attn = cores["attention"].backward(state.attention, c_attn, e_h)
+            e, s_n1, m_n1 = cores["n1"].backward(state.n1, c_n1, e)
+            metrics = named(n1=m_n1, attention=m_attn, n2=m_n2, feed_forward=m_ff)
+            return e_h + e, BlockState(s_n1, s_attn, s_n2, s_ff), metrics
+
+        def write_back(state: BlockState) -> TransformerBlock:
+            return replace_fields(
+                self, **{n: cores[n].write_back(getattr(state, n)) for n in names}
+            )
+
+        return Core(forward, backward, write_back)
+
+
+class GPTState(eqx.Module):
+    token: PyTree
+    position: PyTree
+    blocks: PyTree
+    norm_f: PyTree
+    head: PyTree
+
+
+class GPTPart(AbstractPart):
+    """A whole GPT as one part tree.
+
+    Args:
+        token: a part mapping ids `(B, T)` to `(B, T, D)` (`frozen.embedding(table)` or a
+            `LearningEmbedding`).
+        position: the same for positions `0..T-1` (`(T,)` ids to `(T, D)`).
+        blocks: a `Repeat` of `TransformerBlock`s (scanned), or a tuple of blocks (unrolled,
+            for blocks that differ).
+        norm_f, head: the final LayerNorm and the head (any parts).
+        vocab_size, max_len: checked against the ids before anything is compiled.
+        output: `"logits"` or `"probabilities"` (a categorical learning head); `generate` reads it.
+    """
+
+    token: AbstractPart
+    position: AbstractPart
+    blocks: Any
+    norm_f: AbstractPart
+    head: AbstractPart
+    vocab_size: int = eqx.field(static=True)
+    max_len: int = eqx.field(static=True)
+    output: str = eqx.field(static=True)
+
+    def __init__(self, token, position, blocks, norm_f, head, *, vocab_size, max_len,
+                 output="logits"):
+        self.token = check_part(token, "GPTPart.token")
+        self.position = check_part(position, "GPTPart.position")
+        if isinstance(blocks, list | tuple):
+            blocks = tuple(check_part(b, f"GPTPart.blocks[{i}]") for i, b in enumerate(blocks))
+        else:
+            check_part(blocks, "GPTPart.blocks")
+        self.blocks = blocks
+        self.norm_f = check_part(norm_f, "GPTPart.norm_f")
+        self.head = check_part(head, "GPTPart.head")
+        self.vocab_size = int(vocab_size)
+        self.max_len = int(max_len)
+        if output not in ("logits", "probabilities"):
+            raise ValueError(
+                f"GPTPart: output must be 'logits' or 'probabilities', got {output!r}."
+            )
+        self.output = output
+
+    def validate_input(self, x: Any, path: str) -> None:
+        shape = tuple(jnp.shape(x)) if not isinstance(x, jax.ShapeDtypeStruct) else x.shape
+        if len(shape) not in (2, 3):  # (B, T), or (K, B, T) for `run`
+            raise ValueError(
+                f"{display_path(path)}: expected token ids of shape (batch, seq), got {shape}."
+            )
+        if shape[-1] > self.max_len:
+            raise ValueError(
+                f"{display_path(path)}: sequence length {shape[-1]} exceeds the position "
+                f"table's {self.max_len} positions; use sequences of at most {self.max_len}."
+            )
+        check_ids(x, self.vocab_size, path)
+
+    def init_state(self, key: jax.Array) -> GPTState:
+        keys = jax.random.split(key, 5)
+        if isinstance(self.blocks, tuple):
+            block_keys = jax.random.split(keys[2], len(self.blocks))
+            blocks = tuple(b.init_state(k) for b, k in zip(self.blocks, block_keys))
+        else:
+            blocks = self.blocks.init_state(keys[2])
+        return GPTState(
+            self.token.init_state(keys[0]),
+            self.position.init_state(keys[1]),
+            blocks,
+            self.norm_f.init_state(keys[3]),
+            self.head.init_state(keys[4]),
+        )
+
+    def compile(self, path: str) -> Core:
+        token = self.token.compile(join_path(path, "token"))
+        position = self.position.compile(join_path(path, "position"))
+        if isinstance(self.blocks, tuple):
+            block_cores = [
+                b.compile(join_path(path, f"blocks[{i}]")) for i, b in enumerate(self.blocks)
+            ]
+        else:
+            block_cores = self.blocks.compile(join_path(path, "blocks"))
+        norm_f = self.norm_f.compile(join_path(path, "norm_f"))
+        head = self.head.compile(join_path(path, "head"))
+        unrolled = isinstance(block_cores, list)
+
+        def forward(state: GPTState, ids):
+            expect_rank(path, ids, 2, "(batch, seq) of token ids")
+            if not jnp.issubdtype(ids.dtype, jnp.integer):
+                raise TypeError(
+                    f"{display_path(path)}: expected integer token ids, got dtype {ids.dtype}."
+                )
+            seq = ids.shape[1]
+            if seq > self.max_len:
+                raise ValueError(
+                    f"{display_path(path)}: sequence length {seq} exceeds the position table's "
+                    f"{self.max_len} positions."
+                )
+            tok, c_tok = token.forward(state.token, ids)
+            pos, c_pos = position.forward(state.position, jnp.arange(seq, dtype=jnp.int32))
+            h = tok + pos[None]
+            if unrolled:
+                c_blocks = []
+                for core, s in zip(block_cores, state.blocks):
+                    h, c = core.forward(s, h)
+                    c_blocks.append(c)
+            else:
+                h, c_blocks = block_cores.forward(state.blocks, h)
+            h, c_norm = norm_f.forward(state.norm_f, h)
+            out, c_head = head.forward(state.head, h)
+            return out, (c_tok, c_pos, c_blocks, c_norm, c_head)
+
+        def backward(state: GPTState, cache, error):
+            c_tok, c_pos, c_blocks, c_norm, c_head = cache
+            e, s_head, m_head = head.backward(state.head, c_head, error)
+            e, s_norm, m_norm = norm_f.backward(state.norm_f, c_norm, e)
+            if unrolled:
+                s_blocks, m_blocks = [None] * len(block_cores), [None] * len(block_cores)
+                for i in reversed(range(len(block_cores))):
+                    e, s_blocks[i], m_blocks[i] = block_cores[i].backward(
+                        state.blocks[i], c_blocks[i], e
+                    )
+                s_blocks, m_blocks = tuple(s_blocks), tuple(m_blocks)
+            else:
+                e, s_blocks, m_blocks = block_cores.backward(state.blocks, c_blocks, e)
+            _, s_tok, m_tok = token.backward(state.token, c_tok, e)
+            _, s_pos, m_pos = position.backward(state.position, c_pos, jnp.mean(e, axis=0))
+            metrics = named(
+                token=m_tok, position=m_pos, blocks=m_blocks, norm_f=m_norm, head=m_head
+            )
+            return e, GPTState(s_tok, s_pos, s_blocks, s_norm, s_head), metrics
+
+        def write_back(state: GPTState) -> GPTPart:
+            if unrolled:
+                blocks = tuple(c.write_back(s) for c, s in zip(block_cores, state.blocks))
+            else:
+                blocks = block_cores.write_back(state.blocks)
+            return replace_fields(
+                self,
+                token=token.write_back(state.token),
+                position=position.write_back(state.position),
+                blocks=blocks,
+                norm_f=norm_f.write_back(state.norm_f),
+                head=head.write_back(state.head),
+            )
+
+        return Core(forward, backward, write_back)

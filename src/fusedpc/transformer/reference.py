@@ -1,0 +1,373 @@
+"""Reference GPT in plain Equinox, trained by backpropagation.
+
+This is the "backprop twin" against which the predictive-coding models are compared in
+tests and benchmarks: a small pre-norm decoder-only transformer with learned absolute
+positional embeddings.
+
+Notation used throughout: ``B`` batch size, ``T`` sequence length, ``W`` model width,
+``H`` number of heads, ``d = W / H`` head width, ``F`` feed-forward width, ``V`` vocabulary
+size, ``L`` number of blocks.
+
+All linear maps and layer normalisations act on the last axis of a ``(B, T, W)`` array
+through batched matrix products (``x @ weight.T + bias``) rather than through ``jax.vmap``
+over rows; the parameters are nevertheless stored in ordinary ``eqx.nn.Linear`` and
+``eqx.nn.LayerNorm`` modules so that the model can be inspected, mapped over and compared
+with the per-position Equinox semantics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+
+Array = jax.Array
+PyTree = Any
+
+__all__ = [
+    "GPT",
+    "Block",
+    "CausalSelfAttention",
+    "FeedForward",
+    "count_flops",
+    "cross_entropy",
+    "make_backprop_step",
+]
+
+# Scale applied to the default Equinox initialisation of the output head, so that the
+# initial logits are small and the initial loss is close to log(V).
+_HEAD_INIT_SCALE = 0.1
+
+
+def _linear(lin: eqx.nn.Linear, x: Array) -> Array:
+    """Apply ``lin`` over the last axis of ``x``: ``y = x W^T + b``."""
+    y = x @ lin.weight.T
+    if lin.bias is not None:
+        y = y + lin.bias
+    return y
+
+
+def _layer_norm(ln: eqx.nn.LayerNorm, x: Array) -> Array:
+    """Apply ``ln`` over the last axis of ``x``, matching ``eqx.nn.LayerNorm`` exactly.
+
+    ``y = (x - mu) / sqrt(sigma^2 + eps) * gamma + beta``, where ``mu`` and the biased
+    variance ``sigma^2`` are taken over the last axis.
+    """
+    if ln.shape != x.shape[-1:]:
+        raise ValueError(f"LayerNorm of shape {ln.shape} cannot act on an array of shape {x.shape}")
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    variance = jnp.maximum(0.0, jnp.var(x, axis=-1, keepdims=True))
+    out = (x - mean) * jax.lax.rsqrt(variance + ln.eps)
+    if ln.weight is not None:
+        out = ln.weight * out
+    if ln.bias is not None:
+        out = out + ln.bias
+    return out
+
+
+class CausalSelfAttention(eqx.Module):
+    """Multi-head causal self-attention.
+
+    For an input ``x`` of shape ``(B, T, W)``::
+
+        q = x Wq^T + bq,   k = x Wk^T + bk,   v = x Wv^T + bv          (B, T, W)
+
+    Head ``i`` uses features ``[i d, (i + 1) d)`` of ``q``, ``k`` and ``v``. Per head::
+
+        S = q k^T / sqrt(d)                                            (B, H, T, T)
+        S[t, s] = -inf for s > t                                       (causal mask)
+        A = softmax(S) over the last axis
+        c = A v                                                        (B, H, T, d)
+
+    The heads are concatenated back in the same order to ``(B, T, W)`` and the output is
+    ``c Wo^T + bo``.
+    """
+
+    wq: eqx.nn.Linear
+    wk: eqx.nn.Linear
+    wv: eqx.nn.Linear
+    wo: eqx.nn.Linear
+    n_heads: int = eqx.field(static=True)
+
+    def __init__(self, width: int, n_heads: int, *, key: Array):
+        if n_heads < 1 or width % n_heads != 0:
+            raise ValueError(f"width ({width}) must be divisible by n_heads ({n_heads})")
+        kq, kk, kv, ko = jr.split(key, 4)
+        self.wq = eqx.nn.Linear(width, width, use_bias=True, key=kq)
+        self.wk = eqx.nn.Linear(width, width, use_bias=True, key=kk)
+        self.wv = eqx.nn.Linear(width, width, use_bias=True, key=kv)
+        self.wo = eqx.nn.Linear(width, width, use_bias=True, key=ko)
+        self.n_heads = n_heads
+
+    def __call__(self, x: Array) -> Array:
+        b, t, w = x.shape
+        h = self.n_heads
+        d = w // h
+
+        def split_heads(y: Array) -> Array:  # (B, T, W) -> (B, H, T, d)
+            return y.reshape(b, t, h, d).transpose(0, 2, 1, 3)
+
+        q = split_heads(_linear(self.wq, x))
+        k = split_heads(_linear(self.wk, x))
+        v = split_heads(_linear(self.wv, x))
+        scores = jnp.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(d)
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        scores = jnp.where(causal, scores, -jnp.inf)
+        attn = jax.nn.softmax(scores, axis=-1)
+        ctx = jnp.einsum("bhts,bhsd->bhtd", attn, v)
+        ctx = ctx.transpose(0, 2, 1, 3).reshape(b, t, w)
+        return _linear(self.wo, ctx)
+
+
+class FeedForward(eqx.Module):
+    """Position-wise MLP: ``y = GELU_tanh(x W1^T + b1) W2^T + b2``.
+
+    ``x`` has shape ``(B, T, W)``, the hidden layer ``(B, T, F)``. GELU is the tanh form,
+    ``jax.nn.gelu(approximate=True)``.
+    """
+
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, width: int, ff_width: int, *, key: Array):
+        k1, k2 = jr.split(key)
+        self.fc1 = eqx.nn.Linear(width, ff_width, use_bias=True, key=k1)
+        self.fc2 = eqx.nn.Linear(ff_width, width, use_bias=True, key=k2)
+
+    def __call__(self, x: Array) -> Array:
+        return _linear(self.fc2, jax.nn.gelu(_linear(self.fc1, x), approximate=True))
+
+
+class Block(eqx.Module):
+    """Pre-norm transformer block.
+
+    ``h <- h + attn(LN1(h))`` followed by ``h <- h + ff(LN2(h))``, on ``(B, T, W)``.
+    """
+
+    attn: CausalSelfAttention
+    ff: FeedForward
+    n1: eqx.nn.LayerNorm
+    n2: eqx.nn.LayerNorm
+
+    def __init__(self, width: int, n_heads: int, ff_width: int, *, key: Array):
+        ka, kf = jr.split(key)
+        self.attn = CausalSelfAttention(width, n_heads, key=ka)
+        self.ff = FeedForward(width, ff_width, key=kf)
+        self.n1 = eqx.nn.LayerNorm(width)
+        self.n2 = eqx.nn.LayerNorm(width)
+
+    def __call__(self, h: Array) -> Array:
+        h = h + self.attn(_layer_norm(self.n1, h))
+        return h + self.ff(_layer_norm(self.n2, h))
+
+
+class GPT(eqx.Module):
+    """Decoder-only pre-norm transformer language model.
+
+    For integer ids of shape ``(B, T)`` with ``T <= max_len``::
+
+        h_0 = E_tok[ids] + E_pos[0..T-1]                               (B, T, W)
+        h_l = Block_l(h_{l-1}),  l = 1..L
+        logits = LN_f(h_L) Wh^T + bh                                   (B, T, V)
+
+    Initialisation is Equinox's default for every layer (embeddings ``N(0, 1)``, linear
+    weights and biases ``U(-1/sqrt(n_in), 1/sqrt(n_in))``, LayerNorm ``gamma = 1``,
+    ``beta = 0``), except that the output head's weight and bias are scaled by 0.1 so the
+    initial predictions are close to uniform.
+
+    **Arguments:**
+
+    - `vocab_size`: ``V``.
+    - `width`: ``W``; must be divisible by `n_heads`.
+    - `n_heads`: ``H``.
+    - `n_blocks`: ``L``.
+    - `ff_width`: ``F``, the hidden width of each feed-forward layer.
+    - `max_len`: the largest sequence length accepted (rows of the positional embedding).
+    - `key`: PRNG key for initialisation.
+    """
+
+    tok_emb: eqx.nn.Embedding
+    pos_emb: eqx.nn.Embedding
+    blocks: tuple[Block, ...]
+    norm_f: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(
+        self,
+        vocab_size: int,
+        width: int,
+        n_heads: int,
+        n_blocks: int,
+        ff_width: int,
+        max_len: int,
+        *,
+        key: Array,
+    ):
+        if n_heads < 1 or width % n_heads != 0:
+            raise ValueError(f"width ({width}) must be divisible by n_heads ({n_heads})")
+        for name, value in [
+            ("vocab_size", vocab_size),
+            ("width", width),
+            ("n_blocks", n_blocks),
+            ("ff_width", ff_width),
+            ("max_len", max_len),
+        ]:
+            if value < (0 if name == "n_blocks" else 1):
+                raise ValueError(f"{name} must be positive, got {value}")
+        k_tok, k_pos, k_blocks, k_head = jr.split(key, 4)
+        self.tok_emb = eqx.nn.Embedding(vocab_size, width, key=k_tok)
+        self.pos_emb = eqx.nn.Embedding(max_len, width, key=k_pos)
+        self.blocks = tuple(
+            Block(width, n_heads, ff_width, key=k) for k in jr.split(k_blocks, n_blocks)
+        )
+        self.norm_f = eqx.nn.LayerNorm(width)
+        head = eqx.nn.Linear(width, vocab_size, use_bias=True, key=k_head)
+        self.head = eqx.tree_at(
+            lambda lin: (lin.weight, lin.bias),
+            head,
+            (head.weight * _HEAD_INIT_SCALE, head.bias * _HEAD_INIT_SCALE),
+        )
+
+    @property
+    def max_len(self) -> int:
+        """Largest sequence length accepted."""
+        return self.pos_emb.num_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        """Size ``V`` of the vocabulary."""
+        return self.tok_emb.num_embeddings
+
+    def __call__(self, ids: Array) -> Array:
+        """Return next-token logits of shape ``(B, T, V)`` for ids of shape ``(B, T)``."""
+        if ids.ndim != 2:
+            raise ValueError(f"ids must have shape (batch, seq), got shape {ids.shape}")
+        seq = ids.shape[1]
+        if seq > self.max_len:
+            raise ValueError(f"sequence length {seq} exceeds max_len {self.max_len}")
+        h = self.tok_emb.weight[ids] + self.pos_emb.weight[:seq]
+        for block in self.blocks:
+            h = block(h)
+        return _linear(self.head, _layer_norm(self.norm_f, h))
+
+
+def cross_entropy(logits: Array, targets: Array) -> Array:
+    """Mean softmax cross-entropy over all positions.
+
+    ``loss = mean_n [ logsumexp(z_n) - z_n[y_n] ]`` for logits ``z`` of shape ``(..., V)``
+    and integer targets ``y`` of shape ``(...)``, computed in at least float32.
+    """
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)
+    return -jnp.mean(picked)
+
+
+def _layer_norm_spec(model: PyTree) -> PyTree:
+    """Bool pytree matching ``model``: True at the affine parameters of every LayerNorm."""
+
+    def label(node):
+        frozen = isinstance(node, eqx.nn.LayerNorm)
+        return jax.tree.map(lambda _: frozen, node)
+
+    return jax.tree.map(label, model, is_leaf=lambda x: isinstance(x, eqx.nn.LayerNorm))
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
+def make_backprop_step(
+    optimiser: optax.GradientTransformation, *, frozen_layer_norm: bool = False
+) -> Callable[[GPT, PyTree, Array, Array], tuple[GPT, PyTree, Array]]:
+    """Build a compiled training step ``step(model, opt_state, ids, targets)``.
+
+    One step computes ``loss = cross_entropy(model(ids), targets)`` and its gradient by
+    backpropagation, transforms the gradient with `optimiser` and applies it, returning
+    ``(model, opt_state, loss)``.
+
+    `opt_state` is ``optimiser.init(eqx.filter(model, eqx.is_array))`` (in both modes).
+    The buffers of the `model` and `opt_state` passed in are donated to the step, so they
+    must not be used again afterwards; `ids` and `targets` (shape ``(B, T)``) are not
+    donated.
+
+    With ``frozen_layer_norm=True`` every LayerNorm affine parameter (``gamma`` and
+    ``beta`` of ``n1``, ``n2`` and ``norm_f``) is left exactly as it was, whatever the
+    optimiser (including Adam with weight decay): its gradient is zeroed before the
+    optimiser sees it, so moments and global-norm clipping ignore it, and its update is
+    dropped, so the parameter is returned bit-for-bit unchanged.
+    """
+
+    @eqx.filter_jit(donate="all-except-first")
+    def _step(batch, model, opt_state):
+        ids, targets = batch
+
+        def loss_fn(m):
+            return cross_entropy(m(ids), targets)
+
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+        if frozen_layer_norm:
+            spec = _layer_norm_spec(model)
+            grads = jax.tree.map(
+                lambda g, f: None if g is None else (jnp.zeros_like(g) if f else g),
+                grads,
+                spec,
+                is_leaf=_is_none,
+            )
+        # Optax mixes Python floats with int32 step counts (Adam's bias correction), which
+        # fails under `jax_numpy_dtype_promotion="strict"`; run it under standard promotion.
+        with jax.numpy_dtype_promotion("standard"):
+            params = eqx.filter(model, eqx.is_array)
+            updates, opt_state = optimiser.update(grads, opt_state, params)
+        if frozen_layer_norm:
+            updates = jax.tree.map(lambda u, f: None if f else u, updates, spec, is_leaf=_is_none)
+        model = eqx.apply_updates(model, updates)
+        return model, opt_state, loss
+
+    def step(model, opt_state, ids, targets):
+        # Inputs travel in the first (non-donated) argument; model and opt_state are donated.
+        return _step((ids, targets), model, opt_state)
+
+    return step
+
+
+def count_flops(
+    vocab: int,
+    width: int,
+    n_heads: int,
+    n_blocks: int,
+    ff_width: int,
+    seq: int,
+    batch: int,
+) -> int:
+    """Analytic FLOP count of one backprop training step of `GPT`.
+
+    Only matrix products are counted, at 2 FLOPs per multiply-add; embeddings lookups,
+    layer normalisations, softmax, GELU and the optimiser are ignored. With ``N = B T``
+    tokens, the forward pass costs::
+
+        per block:  projections  4 * 2 N W^2    (q, k, v, o)
+                    feed-forward 2 * 2 N W F    (fc1, fc2)
+                    attention    2 * 2 B T^2 W  (q k^T scores and A v mix, all heads)
+        head:                    2 N W V
+
+        forward = L (8 N W^2 + 4 N W F + 4 B T^2 W) + 2 N W V
+
+    The causal mask is not exploited (dense implementations compute the full ``T x T``
+    score matrix), and ``n_heads`` does not change the count (the heads partition ``W``).
+    The backward pass costs about twice the forward (one product for the gradient with
+    respect to the input and one for the gradient with respect to the weights), so::
+
+        step = 3 * forward
+    """
+    del n_heads
+    n = batch * seq
+    per_block = 8 * n * width**2 + 4 * n * width * ff_width + 4 * batch * seq**2 * width
+    forward = n_blocks * per_block + 2 * n * width * vocab
+    return 3 * forward

@@ -1,0 +1,245 @@
+"""`fusedpc train` and `fusedpc report` end to end, on the tiny config (configs/tiny.toml).
+
+Every run here shares one JAX compilation cache folder (`--compile-cache`), so the programs of
+the tiny model are compiled once for the whole module; a cached program is the same program,
+so results are unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from fusedpc import cli
+from fusedpc.cli import main
+from fusedpc.training import _train
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_CACHE_KEYS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    before = {name: getattr(jax.config, name) for name in _CACHE_KEYS}
+    yield str(tmp_path_factory.mktemp("compile-cache"))
+    for name, value in before.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def train_cli(cache):
+    def run(*args: str) -> int:
+        return main(["train", "--config", str(TINY), "--compile-cache", cache, *args])
+
+    return run
+
+
+def _records(folder: Path, kind: str | None = None) -> list[dict]:
+    lines = (folder / "log.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return [r for r in records if kind is None or r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(train_cli, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "tiny"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert train_cli("--steps", "30", "--out", str(out)) == 0
+    (out / "stdout.txt").write_text(printed.getvalue())
+    return out
+
+
+def test_train_writes_every_file_and_the_loss_falls(tiny_run):
+    for name in ("checkpoint.fpc", "log.jsonl", "config.toml", "loss.png", "update_norm.png",
+                 "update_ratio.png"):
+        assert (tiny_run / name).is_file(), name
+    train = _records(tiny_run, "train")
+    assert [r["step"] for r in train] == list(range(1, 31))
+    losses = np.array([r["loss"] for r in train])
+    assert np.isfinite(losses).all()
+    assert losses[-5:].mean() < losses[:5].mean() - 0.3
+    assert all(r["tokens_per_s"] > 0 and r["time"] > 0 for r in train)
+    evals = _records(tiny_run, "eval")
+    assert [r["step"] for r in evals] == [0, 10, 20, 30]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert evals[-1]["val_perplexity"] == pytest.approx(np.exp(evals[-1]["val_loss"]))
+    # report rows every other step (tiny.toml: report_every = 2), one per learning part
+    reports = _records(tiny_run, "report")
+    parts = {r["part"] for r in reports}
+    assert {"token", "position", "head", "blocks[0].feed_forward"} <= parts
+    assert len(reports) == 15 * len(parts)
+    assert {r["step"] for r in reports} == set(range(2, 31, 2))
+    assert all(r["update_ratio"] > 0 and r["finite"] for r in reports)
+    config = _train.read_config_file(tiny_run / "config.toml")
+    assert config["steps"] == 30 and config["width"] == 16 and config["batch"] == 4
+
+
+def test_train_plots_are_real_pngs(tiny_run):
+    import matplotlib.image
+
+    for name in ("loss.png", "update_norm.png", "update_ratio.png"):
+        path = tiny_run / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+        assert path.stat().st_size > 5_000
+        image = matplotlib.image.imread(path)
+        assert image.shape[0] > 300 and image.shape[1] > 500
+        assert np.std(image[..., :3]) > 0.05  # not a blank canvas
+
+
+def test_train_prints_a_sample_and_a_summary(tiny_run):
+    out = (tiny_run / "stdout.txt").read_text()
+    sample = out.split("sample:\n", 1)[1].split("\n---", 1)[0]
+    assert len(sample.strip()) > 20  # 40 new characters after a short prompt
+    for label in ("validation loss", "validation perplexity", "tokens/s", "skipped steps"):
+        assert label in out
+    summary = _records(tiny_run, "summary")[-1]
+    assert summary["step"] == 30 and summary["skipped_steps"] == 0
+    assert f"{summary['val_loss']:.4f}" in out
+
+
+def test_every_config_setting_has_a_flag():
+    flags = {cli._field(flag) for flag, _ in cli._CONFIG_FLAGS} | {"distributed"}
+    assert flags == {f.name for f in dataclasses.fields(_train.TrainConfig)}
+
+
+def test_resume_continues_bit_for_bit(train_cli, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert train_cli("--steps", "40", "--out", str(whole)) == 0
+    assert train_cli("--steps", "20", "--out", str(split)) == 0
+    assert main(["train", "--resume", str(split), "--steps", "40", "--compile-cache", "none"]) == 0
+
+    def losses(folder):
+        return [(r["step"], r["loss"]) for r in _records(folder, "train")]
+
+    assert losses(split) == losses(whole)  # same steps, same float32 losses, bit for bit
+    a, _, _, meta_a = _train.load_run(whole)
+    b, _, _, meta_b = _train.load_run(split)
+    assert meta_a["step"] == meta_b["step"] == 40
+    assert meta_a["data"] == meta_b["data"]
+    leaves_a = jax.tree_util.tree_leaves(a.state)
+    leaves_b = jax.tree_util.tree_leaves(b.state)
+    assert len(leaves_a) == len(leaves_b) > 0
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_interrupt_saves_a_checkpoint_and_the_files(cache, tmp_path):
+    _train.enable_compile_cache(cache)
+    config = _train.resolve_config(TINY, {"steps": 30})
+
+    def stop_at_ten(step, loss):
+        if step >= 10:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "stopped"
+    result = _train.train(config, out, callback=stop_at_ten, stream=open(os.devnull, "w"))
+    assert result.interrupted and result.step == 10
+    assert [r["step"] for r in _records(out, "train")][-1] == 10
+    _, _, _, metadata = _train.load_run(out)
+    assert metadata["step"] == 10 and metadata["data"]["step"] == 10
+    assert (out / "update_ratio.png").is_file()
+
+
+def test_report_prints_the_calibration_table(tiny_run, tmp_path, capsys):
+    assert main(["report", str(tiny_run / "log.jsonl"), "--out", str(tmp_path),
+                 "--target", "1e-3"]) == 0
+    out = capsys.readouterr().out
+    assert "median ratio" in out and "rate x" in out
+    head_line = next(line for line in out.splitlines() if line.startswith("head "))
+    assert "than target" in head_line or "keep this part's rate" in head_line
+    for name in ("loss.png", "update_norm.png", "update_ratio.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("fusedpc: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--config", "no/such/file.toml"], "no config file"),
+        (["--text", "no/such/text.txt"], "no text file"),
+        (["--resume", "no/such/run"], "no run folder"),
+        (["--width", "30", "--heads", "4"], "must divide width=30"),
+        (["--steps", "0"], "steps must be a positive integer"),
+        (["--steps", "-3"], "steps must be a positive integer"),
+        (["--learn", "attention,brain"], "unknown slots ['brain']"),
+        (["--optimiser", "lbfgs"], "optimiser must be one of"),
+    ],
+)
+def test_bad_input_exits_with_one_line(args, expected, capsys):
+    assert main(["train", *args, "--compile-cache", "none"]) != 0
+    line = _one_error_line(capsys)
+    assert expected in line
+    assert capsys.readouterr().out == ""
+
+
+def test_report_of_a_missing_log_is_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "log.jsonl")]) == 1
+    assert "no log file at" in _one_error_line(capsys)
+
+
+def test_bad_config_file_key_is_one_line(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text("[model]\nwidht = 32\n")
+    assert main(["train", "--config", str(path)]) == 1
+    assert "unknown key 'widht' in [model]" in _one_error_line(capsys)
+    path.write_text("[training]\nwidth = 32\n")
+    assert main(["train", "--config", str(path)]) == 1
+    assert "it belongs in [model]" in _one_error_line(capsys)
+
+
+def test_resume_refuses_to_change_the_model(tiny_run, capsys):
+    assert main(["train", "--resume", str(tiny_run), "--width", "32", "--steps", "40"]) == 1
+    assert "cannot change width" in _one_error_line(capsys)
+    assert main(["train", "--resume", str(tiny_run), "--steps", "30"]) == 1
+    assert "not beyond the checkpoint's step 30" in _one_error_line(capsys)
+
+
+def test_unknown_flag_is_usage_and_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--bogus", "3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.startswith("usage: fusedpc train")
+    assert err.strip().splitlines()[-1] == "fusedpc: error: unrecognized arguments: --bogus 3"
+
+
+def test_bench_is_routed_to_fusedpc_bench(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: fusedpc bench")
+
+
+def test_console_script_error_in_a_fresh_process():
+    result = subprocess.run(
+        [sys.executable, "-m", "fusedpc.cli", "train", "--width", "30", "--heads", "4"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "fusedpc: error: heads=4 must divide width=30 (each head gets width/heads features); "
+        "choose e.g. heads=3."
+    ]

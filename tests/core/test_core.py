@@ -1,0 +1,167 @@
+"""The part contract (`fusedpc.core._part`): paths, field replacement, shape checks, norms and the
+metrics walk."""
+
+from __future__ import annotations
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fusedpc
+from fusedpc.core._checks import expect_last_axis, expect_rank
+from fusedpc.core._metrics import all_finite, iter_metrics, tree_norm
+from fusedpc.core._part import display_path, join_path, replace_fields
+
+
+def test_join_and_display_path():
+    assert join_path("", "parts[0]") == "parts[0]"
+    assert join_path("parts[0]", "branch") == "parts[0].branch"
+    assert join_path("blocks", "[3]") == "blocks[3]"
+    assert join_path("blocks[3]", "attention") == "blocks[3].attention"
+    assert display_path("") == "<root>"
+    assert display_path("parts[1]") == "parts[1]"
+
+
+def test_the_part_base_is_abstract():
+    with pytest.raises(TypeError):
+        fusedpc.AbstractPart()
+
+    class OnlyState(fusedpc.AbstractPart):
+        def init_state(self, key):
+            return None
+
+    with pytest.raises(TypeError):
+        OnlyState()
+
+
+def test_validate_input_accepts_everything_by_default():
+    assert fusedpc.frozen.relu().validate_input(jnp.zeros((2, 3)), "") is None
+
+
+def test_core_is_a_named_triple():
+    assert fusedpc.Core._fields == ("forward", "backward", "write_back")
+
+
+class _Checked(eqx.Module):
+    a: int
+    b: jax.Array
+
+    def __init__(self, a, b):
+        if a < 0:
+            raise ValueError("a must be non-negative")
+        self.a, self.b = a, b
+
+
+def test_replace_fields_copies_without_running_init():
+    original = _Checked(1, jnp.ones(2))
+    new = replace_fields(original, a=-5)  # __init__ would refuse -5
+    assert (new.a, original.a) == (-5, 1)
+    assert new.b is original.b and type(new) is _Checked
+    with pytest.raises(TypeError, match=re.escape("_Checked has no fields ['c']")):
+        replace_fields(original, c=3)
+
+
+def test_expect_last_axis_and_rank_messages():
+    expect_last_axis("parts[1]", jnp.zeros((2, 5)), 5)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "parts[1]: expected input of shape (..., 5), got shape (2, 3). "
+            "The part before it (or the batch) must provide 5 features."
+        ),
+    ):
+        expect_last_axis("parts[1]", jnp.zeros((2, 3)), 5)
+    with pytest.raises(ValueError, match=re.escape("<root>: expected query of shape (..., 4)")):
+        expect_last_axis("", jnp.zeros(()), 4, what="query")
+
+    expect_rank("attn", jnp.zeros((2, 3, 4)), 3, "(batch, seq, features)")
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "attn: expected input of rank 3 (batch, seq, features), got shape (6, 4) (rank 2)."
+        ),
+    ):
+        expect_rank("attn", jnp.zeros((6, 4)), 3, "(batch, seq, features)")
+
+
+def test_all_finite():
+    assert bool(all_finite({"a": jnp.ones(3), "n": jnp.arange(3)}))
+    assert not bool(all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.nan])}))
+    assert not bool(all_finite([jnp.array([jnp.inf])]))
+    assert bool(all_finite({}))
+    assert bool(all_finite({"ids": jnp.arange(4)}))  # integer leaves are always finite
+
+
+def test_tree_norm():
+    tree = {"a": jnp.array([3.0]), "b": jnp.array([[4.0]], jnp.bfloat16), "n": jnp.arange(5)}
+    norm = tree_norm(tree)
+    assert norm.dtype == jnp.float32 and float(norm) == 5.0  # integers are not parameters
+    assert float(tree_norm({})) == 0.0
+
+
+def test_learning_metrics():
+    old = {"w": jnp.array([1.0, 2.0]), "b": jnp.array([0.0])}
+    new = {"w": jnp.array([1.0, 5.0]), "b": jnp.array([4.0])}
+    error = jnp.array([[3.0, 4.0]])
+    m = fusedpc.core.learning_metrics(old, new, error, jnp.ones((1, 2)), (2, 1))
+    assert isinstance(m, fusedpc.core.PartMetrics)
+    assert float(m.update_norm) == 5.0
+    assert float(m.error_norm) == 5.0
+    assert float(m.weight_norm) == pytest.approx(np.sqrt(1 + 25 + 16))
+    assert bool(m.finite) and m.layer_sizes == (2, 1)
+    bad = fusedpc.core.learning_metrics(old, new, error, jnp.array([[jnp.nan, 0.0]]), (2, 1))
+    assert not bool(bad.finite)
+
+
+def _metric(value: float) -> fusedpc.core.PartMetrics:
+    v = jnp.float32(value)
+    return fusedpc.core.PartMetrics(v, v, v, jnp.array(True), (1,))
+
+
+def test_iter_metrics_walks_in_forward_order_with_paths():
+    flag = fusedpc.core.FiniteFlag(jnp.array(True))
+    stacked = fusedpc.core.Stacked(
+        {
+            "ff": fusedpc.core.PartMetrics(
+                jnp.arange(3.0), jnp.zeros(3), jnp.zeros(3), jnp.ones(3, bool)
+            )
+        }
+    )
+    tree = fusedpc.core.named(
+        parts=(_metric(0.0), flag, fusedpc.core.named(branch=_metric(2.0)), stacked)
+    )
+    walked = list(iter_metrics(tree))
+    assert [path for path, _ in walked] == [
+        "parts[0]",
+        "parts[1]",
+        "parts[2].branch",
+        "parts[3][0].ff",
+        "parts[3][1].ff",
+        "parts[3][2].ff",
+    ]
+    assert isinstance(walked[1][1], fusedpc.core.FiniteFlag)
+    assert [float(m.update_norm) for _, m in walked[3:]] == [0.0, 1.0, 2.0]
+    assert list(iter_metrics(_metric(1.0)))[0][0] == ""
+    assert list(iter_metrics(fusedpc.core.Stacked({}))) == []
+
+
+def test_named_metrics_keep_the_order_they_were_given():
+    # Dicts flatten in sorted key order; `named` keeps the composite's own (forward) order.
+    metrics = fusedpc.core.named(wq=_metric(0.0), wk=_metric(1.0), attention=_metric(2.0))
+    assert [path for path, _ in iter_metrics(metrics, "block")] == [
+        "block.wq",
+        "block.wk",
+        "block.attention",
+    ]
+    leaves = jax.tree_util.tree_leaves(metrics)
+    assert [float(x) for x in leaves[::4]] == [0.0, 1.0, 2.0]
+    rebuilt = jax.tree_util.tree_map(jnp.copy, metrics)
+    assert isinstance(rebuilt, fusedpc.core.Named) and rebuilt.names == metrics.names
+    assert [path for path, _ in iter_metrics({"b": _metric(0.0), "a": _metric(1.0)})] == [
+        "b",
+        "a",
+    ]

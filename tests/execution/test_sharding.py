@@ -1,0 +1,322 @@
+"""Scale-out: data-parallel (and model-axis) sharding, multi-host launch, device emulation.
+
+JAX fixes the CPU device count when it starts, and this test process has already started it
+with one device, so every check on several devices runs in a subprocess
+(`tests/_sharding_worker.py`) started with `XLA_FLAGS=--xla_force_host_platform_device_count=N`;
+the worker prints `RESULT <json>` and the tests here assert on it. The `mesh` worker runs once
+per session (a module fixture) and serves several tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+import fusedpc
+from fusedpc.execution import _sharding
+
+WORKER = Path(__file__).with_name("_sharding_worker.py")
+# Every subprocess compiles the tiny GPT's step from scratch; LLVM's optimisation passes are a
+# third of that time and change nothing that is checked here (HLO-level sharding, and values
+# compared within one process or between processes built alike).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+TIMEOUT_S = 600  # generous: the suite may share two cores with other jobs
+RTOL = 1e-5
+
+
+def _env(n_devices: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    if n_devices is not None:
+        env["XLA_FLAGS"] = f"{FAST_COMPILE} --xla_force_host_platform_device_count={n_devices}"
+    return env
+
+
+def _parse(stdout: str, stderr: str, what: str) -> dict:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError(f"{what}: no RESULT line.\nstdout:\n{stdout}\nstderr:\n{stderr[-6000:]}")
+
+
+class _Worker:
+    """A worker subprocess started now and read later (so that several run side by side)."""
+
+    def __init__(self, *args: str, n_devices: int | None, extra_env: dict | None = None):
+        self.what = f"worker {' '.join(args)} {extra_env or ''}".strip()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), *args],
+            env={**_env(n_devices), **(extra_env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def result(self) -> dict:
+        try:
+            stdout, stderr = self.proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.what}: no result within {TIMEOUT_S} s") from None
+        assert self.proc.returncode == 0, f"{self.what} failed:\n{stderr[-6000:]}"
+        return _parse(stdout, stderr, self.what)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def _is_key_bias(path: str) -> bool:
+    # The key bias adds the same score to every column of a softmax row, so its gradient is
+    # exactly zero; Adam turns the float32 noise in it into full-size steps, differently for
+    # any two summation orders. It changes no output (predict is compared below).
+    return ".attention.wk." in path and "biases" in path
+
+
+def _assert_close(errors: dict[str, float], what: str) -> None:
+    checked = {p: e for p, e in errors.items() if not _is_key_bias(p)}
+    assert len(checked) >= 60, f"{what}: only {len(checked)} leaves compared"
+    worst = max(checked, key=checked.get)
+    assert checked[worst] <= RTOL, f"{what}: leaf {worst} differs by {checked[worst]:.3e}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """The 8-device worker and the two processes of a local `jax.distributed` launch (2 CPU
+    devices each), all started at once; each test reads the results it needs."""
+    started = {"mesh": _Worker("mesh", n_devices=8)}
+    try:
+        port = _free_port()
+    except OSError as e:
+        started["distributed_skip"] = f"cannot open a local TCP port for the coordinator: {e}"
+    else:
+        for i in range(2):
+            env = {
+                "FUSEDPC_COORDINATOR": f"127.0.0.1:{port}",
+                "FUSEDPC_NUM_PROCESSES": "2",
+                "FUSEDPC_PROCESS_ID": str(i),
+            }
+            started[f"process{i}"] = _Worker("distributed", n_devices=2, extra_env=env)
+    yield started
+    for worker in started.values():
+        if isinstance(worker, _Worker):
+            worker.kill()
+
+
+@pytest.fixture(scope="module")
+def mesh_result(workers) -> dict:
+    return workers["mesh"].result()
+
+
+# --------------------------------------------------------------------------- data parallel
+def test_sharded_steps_equal_single_device_steps(mesh_result):
+    r = mesh_result
+    assert r["devices"] == 8 and r["single_devices"] == [0]
+    assert r["mesh_shape"] == {"data": 8}
+    assert r["mesh_axis_types"] == ["AxisType.Auto"]  # jax.make_mesh's Explicit, made Auto
+    _assert_close(r["step_errors"], "5 sharded steps vs 5 single-device steps")
+    assert r["predict_error"] <= RTOL
+
+
+def test_sharded_run_equals_single_device_steps(mesh_result):
+    r = mesh_result
+    assert r["run_steps"] == 5
+    _assert_close(r["run_errors"], "run(5 steps) sharded vs 5 single-device steps")
+    assert r["run_outputs_spec"] == "P(None, 'data')"
+    assert r["run_state_replicated"]
+
+
+def test_compiled_step_reduces_across_devices_without_host_round_trips(mesh_result):
+    assert mesh_result["hlo_all_reduce"] >= 1
+    assert mesh_result["hlo_host_round_trips"] == []
+
+
+def test_state_replicated_batch_sharded_and_state_donated(mesh_result):
+    r = mesh_result
+    assert r["state_replicated"] and r["counters_replicated"]
+    assert r["batch_spec"] == "P('data', None)"
+    assert r["batch_shard_shapes"] == [[1, 8]]  # 8 rows over 8 devices
+    assert r["output_spec"] == "P('data',)"
+    assert r["predict_spec"] == "P('data',)"
+    assert r["old_state_deleted"] and r["caller_batch_alive"] and r["predict_state_alive"]
+
+
+def test_batch_not_dividing_over_devices_is_a_clear_error(mesh_result):
+    r = mesh_result
+    for key, axis in (("bad_batch_error", 0), ("bad_run_error", 1)):
+        message = r[key]
+        assert message is not None and message.startswith("ValueError: batch:"), message
+        assert f"(axis {axis}, size 6)" in message
+        assert "'data' axis of 8 devices" in message and "multiple of 8 rows (e.g. 8)" in message
+    assert r["steps_after_errors"] == [5, 5]  # nothing was consumed or donated
+    assert "'data' axis" in r["no_data_axis_error"] and "('x',)" in r["no_data_axis_error"]
+
+
+def test_model_axis_sharding_kept_and_equal_to_single_device(mesh_result):
+    r = mesh_result
+    _assert_close(r["model_errors"], "5 steps on a 4x2 data/model mesh vs one device")
+    assert r["model_sharding_kept"]
+    sharded = r["model_sharded_leaves"]
+    for name in (
+        ".blocks.blocks.feed_forward.params.weights[0]",
+        ".blocks.blocks.feed_forward.params.weights[1]",
+        ".blocks.blocks.feed_forward.opt_state[0].mu.weights[0]",
+        ".head.params.weights[0]",
+        ".token.table",
+    ):
+        assert name in sharded, name
+    assert not any("biases" in p or "count" in p for p in sharded)
+
+
+def test_checkpoints_move_between_sharded_and_single_device(mesh_result):
+    pytest.importorskip("fusedpc.execution._checkpoint")
+    c = mesh_result["checkpoint"]
+    assert "error" not in c, c.get("error")
+    assert c["sharded_to_single_metadata"] == "sharded"
+    assert set(c["sharded_to_single_errors"].values()) == {0.0}  # bit-exact
+    assert c["sharded_to_single_devices"] == [0]
+    assert c["sharded_to_single_steps"] == 5
+    assert set(c["single_to_sharded_errors"].values()) == {0.0}
+    assert c["single_to_sharded_replicated"] and c["continue_replicated"]
+    _assert_close(c["continue_errors"], "a step after loading, sharded vs one device")
+
+
+# --------------------------------------------------------------------------- emulation
+def test_emulate_cpu_devices_before_and_after_jax_starts():
+    r = _Worker("emulate", n_devices=None).result()
+    assert r["xla_flags_before"] == ""
+    # appended to the flags already there, the earlier count replaced
+    assert r["xla_flags_after"] == f"{FAST_COMPILE} --xla_force_host_platform_device_count=3"
+    assert r["devices"] == 3 and r["mesh_shape"] == {"data": 3}
+    assert r["after_start_enough"] is None
+    assert r["after_start_too_many"].startswith("RuntimeError: emulate_cpu_devices(4)")
+    assert "already started with 3 CPU device(s)" in r["after_start_too_many"]
+    assert r["mesh_too_big"].startswith("ValueError: data_mesh: n_devices")
+
+
+def test_emulate_cpu_devices_in_this_process_checks_only():
+    have = len(jax.devices("cpu"))
+    flags = os.environ.get("XLA_FLAGS")
+    _sharding.emulate_cpu_devices(have)  # already started with enough: a no-op
+    assert os.environ.get("XLA_FLAGS") == flags
+    with pytest.raises(RuntimeError, match="already started"):
+        _sharding.emulate_cpu_devices(have + 1)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        _sharding.emulate_cpu_devices(0)
+
+
+# --------------------------------------------------------------------------- helpers in-process
+def test_data_mesh_and_resolve_mesh_on_one_device():
+    mesh = _sharding.data_mesh(1)
+    assert mesh.axis_names == ("data",) and mesh.shape["data"] == 1
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    explicit = jax.make_mesh((1,), ("data",))
+    assert _sharding.resolve_mesh(explicit).axis_types == (jax.sharding.AxisType.Auto,)
+    assert _sharding.resolve_mesh(None) is None
+    with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+        _sharding.resolve_mesh("data")
+    with pytest.raises(ValueError, match="model=3 must be >= 1 and divide"):
+        _sharding.data_mesh(1, model=3)
+
+
+def test_pipeline_mesh_arguments_are_checked():
+    part = fusedpc.frozen.relu()
+    with pytest.raises(ValueError, match="'data' axis"):
+        fusedpc.FusedPipeline(part, mesh=jax.make_mesh((1,), ("batch",)))
+    with pytest.raises(ValueError, match="state_sharding: needs a mesh"):
+        fusedpc.FusedPipeline(part, state_sharding=lambda path, leaf: None)
+
+
+def test_state_shardings_reject_specs_that_do_not_divide():
+    mesh = _sharding.data_mesh(1)
+    tree = {"w": np.zeros((3, 4), np.float32)}
+    rule = lambda path, leaf: PartitionSpec("data", None, None)  # noqa: E731
+    with pytest.raises(ValueError, match=r"\['w'\] of shape \(3, 4\) cannot be split"):
+        _sharding.state_shardings(tree, mesh, rule)
+    with pytest.raises(TypeError, match="PartitionSpec or None"):
+        _sharding.state_shardings(tree, mesh, lambda path, leaf: ("data",))
+    placed = _sharding.state_shardings(tree, mesh)
+    assert placed["w"].spec == PartitionSpec()
+
+
+def test_shard_widest_picks_the_wider_of_the_last_two_axes():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    rule = _sharding.shard_widest(mesh, min_size=4)
+    leaf = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    assert rule("", leaf(2, 32, 16)) == PartitionSpec(None, "model", None)
+    assert rule("", leaf(2, 16, 32)) == PartitionSpec(None, None, "model")
+    assert rule("", leaf(11, 16)) == PartitionSpec(None, "model")
+    assert rule("", leaf(16)) is None  # vectors stay replicated
+    assert rule("", leaf(1, 2)) is None  # below min_size
+    with pytest.raises(ValueError, match="no 'model' axis"):
+        _sharding.shard_widest(_sharding.data_mesh(1))
+
+
+def test_process_batch_slice_splits_rows_evenly():
+    assert _sharding.process_batch_slice(8, 0, 2) == slice(0, 4)
+    assert _sharding.process_batch_slice(8, 1, 2) == slice(4, 8)
+    assert _sharding.process_batch_slice(8) == slice(0, 8)  # one process here
+    with pytest.raises(ValueError, match="must divide over 3 processes"):
+        _sharding.process_batch_slice(8, 0, 3)
+
+
+def test_initialize_distributed_wants_all_or_none_of_its_settings(monkeypatch):
+    for name in ("FUSEDPC_COORDINATOR", "FUSEDPC_NUM_PROCESSES", "FUSEDPC_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="together"):
+        _sharding.initialize_distributed("127.0.0.1:1234")
+    monkeypatch.setenv("FUSEDPC_COORDINATOR", "127.0.0.1:1234")
+    with pytest.raises(ValueError, match="FUSEDPC_NUM_PROCESSES"):
+        _sharding.initialize_distributed()
+    monkeypatch.setenv("FUSEDPC_NUM_PROCESSES", "two")
+    with pytest.raises(ValueError, match="FUSEDPC_NUM_PROCESSES: expected an integer"):
+        _sharding.initialize_distributed()
+
+
+def test_make_global_batch_in_one_process_is_the_placed_batch():
+    mesh = _sharding.data_mesh(1)
+    local = np.arange(12, dtype=np.int32).reshape(2, 6)
+    batch = _sharding.make_global_batch(local, mesh)
+    np.testing.assert_array_equal(np.asarray(batch), local)
+    assert batch.sharding.spec == PartitionSpec("data", None)
+    stacked = _sharding.make_global_batch(local[None], mesh, axis=1)
+    assert stacked.sharding.spec == PartitionSpec(None, "data", None)
+
+
+# --------------------------------------------------------------------------- multi-host
+def test_two_process_local_launch_trains_identical_weights(workers, mesh_result):
+    if "distributed_skip" in workers:
+        pytest.skip(workers["distributed_skip"])
+    results = [workers[f"process{i}"].result() for i in range(2)]
+    for i, r in enumerate(results):
+        assert r["process_index"] == i and r["process_count"] == 2
+        assert r["local_devices"] == 2 and r["global_devices"] == 4
+        assert r["rows"] == [4 * i, 4 * i + 4]
+        assert r["global_batch_shape"] == [8, 8] and r["global_run_shape"] == [3, 8, 8]
+        assert r["global_batch_spec"] == "P('data', None)"
+        assert r["steps"] == 5 and r["moved"] and np.isfinite(r["loss"])
+        assert r["state_replicated"]
+    assert results[0]["digest"] == results[1]["digest"]  # bit-identical weights
+    # and they are the weights of 5 single-device steps on the whole batches
+    reference = mesh_result["reference_norms"]
+    assert set(results[0]["norms"]) == set(reference)
+    for path, norm in results[0]["norms"].items():
+        if not _is_key_bias(path):
+            assert abs(norm - reference[path]) <= RTOL * abs(reference[path]), path

@@ -1,0 +1,346 @@
+"""Tests of the multi-head causal self-attention part (`fusedpc.parts._attention`)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+from helpers import DeltaLinear, assert_tree_allclose
+
+import fusedpc
+from fusedpc import frozen
+from fusedpc.parts._attention import (
+    AttentionState,
+    MultiHeadAttention,
+    causal_mix,
+    causal_mix_backward,
+    causal_mix_backward_rows,
+    causal_mix_tiles,
+    causal_tiles_for,
+)
+from fusedpc.transformer.reference import CausalSelfAttention
+
+B, T, D, H = 2, 5, 8, 2
+
+
+def delta(lin: eqx.nn.Linear, optimiser) -> DeltaLinear:
+    return DeltaLinear(lin.weight, lin.bias, optimiser)
+
+
+def delta_fused(lins, optimiser) -> DeltaLinear:
+    weight = jnp.concatenate([lin.weight for lin in lins], axis=0)
+    bias = jnp.concatenate([lin.bias for lin in lins], axis=0)
+    return DeltaLinear(weight, bias, optimiser)
+
+
+# --------------------------------------------------------------------------- builders
+def reference(seed=0, width=D, n_heads=H) -> CausalSelfAttention:
+    return CausalSelfAttention(width, n_heads, key=jr.key(seed))
+
+
+def frozen_attention(ref: CausalSelfAttention, fused: bool) -> MultiHeadAttention:
+    if fused:
+        weight = jnp.concatenate([ref.wq.weight, ref.wk.weight, ref.wv.weight], axis=0)
+        bias = jnp.concatenate([ref.wq.bias, ref.wk.bias, ref.wv.bias], axis=0)
+        return MultiHeadAttention(
+            wqkv=frozen.linear(weight, bias), wo=frozen.linear(ref.wo), n_heads=ref.n_heads
+        )
+    return MultiHeadAttention(
+        wq=frozen.linear(ref.wq),
+        wk=frozen.linear(ref.wk),
+        wv=frozen.linear(ref.wv),
+        wo=frozen.linear(ref.wo),
+        n_heads=ref.n_heads,
+    )
+
+
+# Learning slots: the tests' own delta-rule learner, or the library's learning part.
+LEARNERS = {
+    "delta": (delta, delta_fused, lambda part: part.weight),
+    "transplant": (
+        lambda lin, opt: fusedpc.transplant.from_linear(lin, optimiser=opt),
+        lambda lins, opt: fusedpc.transplant.from_linears(lins, optimiser=opt),
+        lambda part: part.network.weights[0],
+    ),
+}
+
+
+def learning_attention(
+    ref: CausalSelfAttention, fused: bool, optimiser, kind: str = "delta"
+) -> MultiHeadAttention:
+    single, stacked, _ = LEARNERS[kind]
+    wo = single(ref.wo, optimiser)
+    if fused:
+        return MultiHeadAttention(
+            wqkv=stacked([ref.wq, ref.wk, ref.wv], optimiser), wo=wo, n_heads=ref.n_heads
+        )
+    return MultiHeadAttention(
+        wq=single(ref.wq, optimiser),
+        wk=single(ref.wk, optimiser),
+        wv=single(ref.wv, optimiser),
+        wo=wo,
+        n_heads=ref.n_heads,
+    )
+
+
+def batch(seed=1, shape=(B, T, D)) -> jax.Array:
+    return jr.normal(jr.key(seed), shape)
+
+
+def run_part(part, x, error):
+    """`(core, state, y, (input_error, new_state, metrics))`, forward and backward in one jit."""
+    core = part.compile("")
+    state = part.init_state(jr.key(0))
+
+    @jax.jit
+    def both(state, x, error):
+        y, cache = core.forward(state, x)
+        return y, core.backward(state, cache, error)
+
+    return core, state, *both(state, x, error)
+
+
+# --------------------------------------------------------------------------- forward/backward
+@pytest.mark.parametrize("fused", [False, True])
+def test_forward_matches_reference_attention(fused):
+    ref = reference()
+    x = batch()
+    _, _, y, _ = run_part(frozen_attention(ref, fused), x, jnp.zeros_like(x))
+    assert_tree_allclose(y, ref(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_backward_matches_vjp(fused):
+    part = frozen_attention(reference(), fused)
+    x, error = batch(1), batch(2)
+    core, state, _, (input_error, new_state, metrics) = run_part(part, x, error)
+    _, vjp = jax.vjp(lambda inp: core.forward(state, inp)[0], x)
+    (expected,) = vjp(error)
+    assert_tree_allclose(input_error, expected, rtol=1e-4, atol=1e-5)
+    assert metrics.names == (("wqkv", "wo") if fused else ("wq", "wk", "wv", "wo"))
+    assert isinstance(new_state, AttentionState)
+
+
+def test_mixing_backward_matches_vjp_for_each_of_q_k_v():
+    """The mixing's own errors dQ, dK, dV (not only their sum through the slots)."""
+    q, k, v = (jr.normal(jr.key(i), (B, H, T, 4)) for i in range(3))
+    d_context = jr.normal(jr.key(3), (B, H, T, 4))
+    context, weights = causal_mix(q, k, v)
+    _, vjp = jax.vjp(lambda a, b, c: causal_mix(a, b, c)[0], q, k, v)
+    for got, want in zip(causal_mix_backward(q, k, v, weights, d_context), vjp(d_context)):
+        assert_tree_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert_tree_allclose(jnp.sum(weights, axis=-1), jnp.ones((B, H, T)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("tiles", [2, 4, 3, 20])
+def test_causal_tiles_equal_the_whole_mixing_and_its_vjp(tiles):
+    """Equal tiles (2, 4), uneven ones (3 over 8 rows: 2, 3, 3) and more tiles than rows (one
+    per row)."""
+    seq, heads, d = 8, 2, 4
+    q, k, v = (jr.normal(jr.key(i), (B, heads, seq, d)) for i in range(3))
+    d_context = jr.normal(jr.key(3), (B, heads, seq, d))
+    context, weights = causal_mix(q, k, v)
+    tiled_context, tiled_weights = causal_mix_tiles(q, k, v, tiles)
+    assert_tree_allclose(tiled_context, context, rtol=1e-5, atol=1e-6)
+    n = min(tiles, seq)
+    bounds = [(i * seq // n, (i + 1) * seq // n) for i in range(n)]
+    assert [w.shape for w in tiled_weights] == [(B, heads, b - a, b) for a, b in bounds]
+    for (a, b), w in zip(bounds, tiled_weights):  # each tile: its rows of A, its key prefix
+        assert_tree_allclose(w, weights[..., a:b, :b], rtol=1e-5, atol=1e-6)
+        assert not np.any(np.asarray(weights[..., a:b, b:]))
+
+    def rows(a):
+        return a.transpose(0, 2, 1, 3).reshape(B, seq, heads * d)
+
+    got = causal_mix_backward_rows(rows(q), k, v, tiled_weights, rows(d_context), heads)
+    _, vjp = jax.vjp(lambda a, b, c: causal_mix(a, b, c)[0], q, k, v)
+    for g, want in zip(got, vjp(d_context), strict=True):
+        assert_tree_allclose(g, rows(want), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_part_in_causal_tiles_equals_one_tile():
+    ref, seq = reference(), 8
+    x, error = batch(1, (B, seq, D)), batch(2, (B, seq, D))
+    runs = {}
+    for tiles in (1, 2, 4, 3):
+        part = frozen_attention(ref, False)
+        part = MultiHeadAttention(
+            wq=part.wq, wk=part.wk, wv=part.wv, wo=part.wo, n_heads=H, causal_tiles=tiles
+        )
+        runs[tiles] = run_part(part, x, error)
+    for tiles in (2, 4, 3):
+        assert_tree_allclose(runs[tiles][2], runs[1][2], rtol=1e-5, atol=1e-6)
+        assert_tree_allclose(runs[tiles][3][0], runs[1][3][0], rtol=1e-5, atol=1e-6)
+    # and the part's backward is still the vjp of its forward
+    core, state, _, (input_error, _, _) = runs[4]
+    _, vjp = jax.vjp(lambda inp: core.forward(state, inp)[0], x)
+    assert_tree_allclose(input_error, vjp(error)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_causal_tiles_by_default_follow_the_sequence_length():
+    assert [causal_tiles_for(n) for n in (8, 63, 64, 66, 127, 128, 130, 256)] == [
+        1, 1, 2, 2, 1, 4, 2, 4
+    ]
+
+
+def test_fused_equals_separate_frozen():
+    ref = reference()
+    x, error = batch(1), batch(2)
+    _, _, y_sep, (e_sep, _, _) = run_part(frozen_attention(ref, False), x, error)
+    _, _, y_fused, (e_fused, _, _) = run_part(frozen_attention(ref, True), x, error)
+    assert_tree_allclose(y_fused, y_sep, rtol=1e-5, atol=1e-6)
+    assert_tree_allclose(e_fused, e_sep, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(LEARNERS))
+def test_fused_equals_separate_learning_two_adam_steps(kind):
+    ref = reference()
+    optimiser = optax.adam(1e-2)
+    weight = LEARNERS[kind][2]
+    pipes = [
+        fusedpc.FusedPipeline(learning_attention(ref, fused, optimiser, kind))
+        for fused in (False, True)
+    ]
+    for step in range(2):
+        x, target = batch(10 + step), batch(20 + step)
+        (y_sep, e_sep), (y_fused, e_fused) = (p.step(x, target) for p in pipes)
+        assert_tree_allclose(y_fused, y_sep, rtol=1e-4, atol=1e-6)
+        assert_tree_allclose(e_fused, e_sep, rtol=1e-4, atol=1e-6)
+    # Weights only: the key bias has an exactly zero gradient (it shifts every score of a row),
+    # so Adam turns its rounding noise into full steps that differ between the two forms.
+    separate, fused = (p.merge() for p in pipes)
+    stacked = jnp.concatenate([weight(separate.wq), weight(separate.wk), weight(separate.wv)])
+    assert_tree_allclose(weight(fused.wqkv), stacked, rtol=1e-4, atol=1e-6)
+    assert_tree_allclose(weight(fused.wo), weight(separate.wo), rtol=1e-4, atol=1e-6)
+    # The weights did move (the comparison is not between two untouched copies).
+    assert not np.allclose(weight(separate.wq), ref.wq.weight, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_learning_slots_take_the_backprop_step(fused):
+    """One SGD step of learning slots equals autodiff of the reference attention."""
+    ref = reference()
+    lr = 0.5
+    x, target = batch(3), batch(4)
+    pipe = fusedpc.FusedPipeline(
+        learning_attention(ref, fused, optax.sgd(lr)), error_normalisation="rows"
+    )
+    _, input_error = pipe.step(x, target)
+
+    def loss(model, inp):  # the per-row loss summed over the rows
+        return 0.5 * jnp.sum((model(inp) - target) ** 2)
+
+    grads = eqx.filter_grad(loss)(ref, x)
+    expected = jax.tree_util.tree_map(lambda p, g: p - lr * g / (B * T), ref, grads)
+    merged = pipe.merge()
+    if fused:
+        got = jnp.split(merged.wqkv.weight, 3)
+        want = [expected.wq.weight, expected.wk.weight, expected.wv.weight]
+        for a, b in zip(got, want):
+            assert_tree_allclose(a, b, rtol=1e-4, atol=1e-6)
+    else:
+        for name in ("wq", "wk", "wv"):
+            assert_tree_allclose(
+                getattr(merged, name).weight, getattr(expected, name).weight, rtol=1e-4, atol=1e-6
+            )
+            assert_tree_allclose(
+                getattr(merged, name).bias, getattr(expected, name).bias, rtol=1e-4, atol=1e-6
+            )
+    assert_tree_allclose(merged.wo.weight, expected.wo.weight, rtol=1e-4, atol=1e-6)
+    assert_tree_allclose(input_error, jax.grad(lambda inp: loss(ref, inp))(x), rtol=1e-4, atol=1e-5)
+
+
+def test_causal_an_earlier_output_ignores_later_tokens():
+    part = frozen_attention(reference(), fused=False)
+    core, state = part.compile(""), part.init_state(jr.key(0))
+    x = batch(1)
+    changed = x.at[:, 3].set(jr.normal(jr.key(9), (B, D)))
+    y, _ = core.forward(state, x)
+    y_changed, _ = core.forward(state, changed)
+    np.testing.assert_array_equal(y_changed[:, :3], y[:, :3])
+    assert not np.allclose(y_changed[:, 3:], y[:, 3:], atol=1e-3)
+
+
+def test_no_nan_with_large_scores():
+    part = frozen_attention(reference(), fused=False)
+    x, error = 1e3 * batch(1), batch(2)
+    _, _, y, (input_error, _, metrics) = run_part(part, x, error)
+    assert np.isfinite(np.asarray(y)).all()
+    assert np.isfinite(np.asarray(input_error)).all()
+    assert all(bool(m.finite) for m in metrics.children)
+
+
+def test_report_rows_and_write_back_name_the_slots():
+    ref = reference()
+    optimiser = optax.sgd(0.1)
+    tree = fusedpc.Sequential([learning_attention(ref, False, optimiser)])
+    pipe = fusedpc.FusedPipeline(tree)
+    pipe.step(batch(1), batch(2))
+    rows = [row["part"] for row in pipe.report()]
+    assert rows == [f"parts[0].{name}" for name in ("wq", "wk", "wv", "wo")]
+    merged = pipe.merge().parts[0]
+    assert isinstance(merged, MultiHeadAttention) and merged.n_heads == H
+    assert not np.allclose(merged.wk.weight, ref.wk.weight, atol=1e-5)
+    state = pipe.state.parts[0]
+    np.testing.assert_array_equal(merged.wk.weight, state.wk.params["weight"])
+
+    fused = fusedpc.FusedPipeline(learning_attention(ref, True, optimiser))
+    fused.step(batch(1), batch(2))
+    assert [row["part"] for row in fused.report()] == ["wqkv", "wo"]
+    assert fused.state.wq is None and fused.state.wqkv is not None
+
+
+# --------------------------------------------------------------------------- errors
+def _linear(out_width, in_width, seed=0):
+    return frozen.linear(eqx.nn.Linear(in_width, out_width, key=jr.key(seed)))
+
+
+def test_construction_errors():
+    lin = _linear(D, D)
+    with pytest.raises(ValueError, match="output slot `wo` is missing"):
+        MultiHeadAttention(wq=lin, wk=lin, wv=lin)
+    with pytest.raises(ValueError, match=r"fused `wqkv` and separate slots \['wk'\].*not both"):
+        MultiHeadAttention(wk=lin, wo=lin, wqkv=_linear(3 * D, D))
+    with pytest.raises(ValueError, match=r"slots \['wv'\] are missing"):
+        MultiHeadAttention(wq=lin, wk=lin, wo=lin)
+    with pytest.raises(ValueError, match="n_heads must be >= 1, got 0"):
+        MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin, n_heads=0)
+    with pytest.raises(TypeError, match="n_heads must be an int, got float"):
+        MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin, n_heads=2.0)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"causal_tiles must be None .* got {bad!r}"):
+            MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin, causal_tiles=bad)
+    with pytest.raises(TypeError, match=r"MultiHeadAttention\.wv: expected a part"):
+        MultiHeadAttention(wq=lin, wk=lin, wv=eqx.nn.Linear(D, D, key=jr.key(0)), wo=lin)
+
+
+def _trace(part, x, path="net.attention"):
+    return jax.eval_shape(part.compile(path).forward, part.init_state(jr.key(0)), x)[0]
+
+
+def test_trace_errors_name_the_path():
+    lin = _linear(D, D)
+    good = MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin, n_heads=H)
+    assert _trace(good, batch()).shape == (B, T, D)
+    with pytest.raises(ValueError, match=r"net\.attention: expected input of rank 3 .*\(2, 8\)"):
+        _trace(good, jnp.zeros((2, D)))
+
+    lin6 = _linear(6, 6)
+    odd = MultiHeadAttention(wq=lin6, wk=lin6, wv=lin6, wo=lin6, n_heads=4)
+    with pytest.raises(ValueError, match=r"net\.attention: n_heads=4 does not divide the width 6"):
+        _trace(odd, jnp.zeros((B, T, 6)))
+
+    narrow_k = MultiHeadAttention(wq=lin, wk=_linear(6, D), wv=lin, wo=lin, n_heads=H)
+    with pytest.raises(ValueError, match=r"net\.attention: .*same width.*'wk': 6"):
+        _trace(narrow_k, batch())
+
+    fused = MultiHeadAttention(wqkv=_linear(10, D), wo=lin, n_heads=H)
+    with pytest.raises(ValueError, match=r"net\.attention: .*width 10 is not divisible by 3"):
+        _trace(fused, batch())
+
+    with pytest.raises(
+        ValueError, match=r"net\.attention\.wq: expected input of shape \(\.\.\., 8\)"
+    ):
+        _trace(good, jnp.zeros((B, T, 6)))
