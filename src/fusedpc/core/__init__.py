@@ -20,6 +20,7 @@ from fusedpc.core._metrics import all_finite as all_finite
 from fusedpc.core._metrics import iter_metrics as iter_metrics
 from fusedpc.core._metrics import learning_metrics as learning_metrics
 from fusedpc.core._metrics import named as named
+from fusedpc.core._metrics import report_rows as report_rows
 from fusedpc.core._metrics import tree_norm as tree_norm
 from fusedpc.core._part import AbstractPart as AbstractPart
 from fusedpc.core._part import Core as Core

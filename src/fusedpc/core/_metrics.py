@@ -13,7 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from fusedpc.core._part import PyTree, join_path
+from fusedpc.core._part import PyTree, display_path, join_path
 
 
 class PartMetrics(eqx.Module):
@@ -141,3 +141,28 @@ def iter_metrics(tree: PyTree, prefix: str = "") -> Iterator[tuple[str, PyTree]]
     elif isinstance(tree, list | tuple):
         for i, sub in enumerate(tree):
             yield from iter_metrics(sub, f"{prefix}[{i}]")
+
+
+def report_rows(metrics: PyTree) -> list[dict[str, Any]]:
+    """One row per learning part of a metrics tree (host values, one step), in forward order.
+
+    Each row: `part` (its path), `layer_sizes`, `update_norm`, `error_norm`, `weight_norm`,
+    `update_ratio` (update / weight norm) and `finite`.
+    """
+    rows = []
+    for path, m in iter_metrics(metrics):
+        if not isinstance(m, PartMetrics):
+            continue
+        update, weight = float(m.update_norm), float(m.weight_norm)
+        rows.append(
+            {
+                "part": display_path(path),
+                "layer_sizes": list(m.layer_sizes),
+                "update_norm": update,
+                "error_norm": float(m.error_norm),
+                "weight_norm": weight,
+                "update_ratio": update / weight if weight > 0 else float("nan"),
+                "finite": bool(m.finite),
+            }
+        )
+    return rows

@@ -26,9 +26,20 @@ import jax.numpy as jnp
 
 
 class ErrorFunction(NamedTuple):
+    """A descent error with the loss it is the gradient of.
+
+    Args:
+        error: `error(output, target) -> E`, the per-row descent error, shaped like `output`.
+        loss: `loss(output, target) -> scalar` (the row mean), or `None` when unknown.
+        name: shown in messages and reports.
+        class_ids: whether integer targets are class ids (one-hot rows of the output's
+            width), so that the executor checks them against `[0, width)`.
+    """
+
     error: Callable[[jax.Array, jax.Array], jax.Array]
     loss: Callable[[jax.Array, jax.Array], jax.Array] | None
     name: str
+    class_ids: bool = False
 
 
 def _as_distribution(output: jax.Array, target: jax.Array) -> jax.Array:
@@ -95,8 +106,10 @@ def _binary_loss(output, target):
 
 
 squared = ErrorFunction(_squared_error, _squared_loss, "squared")
-softmax_cross_entropy = ErrorFunction(_softmax_ce_error, _softmax_ce_loss, "softmax_cross_entropy")
-cross_entropy = ErrorFunction(_probs_ce_error, _probs_ce_loss, "cross_entropy")
+softmax_cross_entropy = ErrorFunction(
+    _softmax_ce_error, _softmax_ce_loss, "softmax_cross_entropy", class_ids=True
+)
+cross_entropy = ErrorFunction(_probs_ce_error, _probs_ce_loss, "cross_entropy", class_ids=True)
 sigmoid_cross_entropy = ErrorFunction(_binary_error, _binary_loss, "sigmoid_cross_entropy")
 
 BY_NAME = {

@@ -12,7 +12,7 @@ import numpy as np
 
 from fusedpc.core import losses as _errors
 from fusedpc.core._checks import check_part
-from fusedpc.core._metrics import FiniteFlag, PartMetrics, all_finite, iter_metrics, leaf_finite
+from fusedpc.core._metrics import FiniteFlag, all_finite, iter_metrics, leaf_finite
 from fusedpc.core._part import PyTree, display_path
 from fusedpc.execution import _sharding
 
@@ -68,10 +68,6 @@ def _check_non_empty(value: Any, name: str) -> None:
             f"{name}: expected a non-empty batch, got shape {shape}. Every axis (steps, rows, "
             "sequence, features) must have length >= 1."
         )
-
-
-# Error functions whose integer targets are class ids: one-hot rows of the output's width.
-_CLASS_ID_ERRORS = (_errors.softmax_cross_entropy, _errors.cross_entropy)
 
 
 def normalise_active(error: jax.Array) -> jax.Array:
@@ -274,7 +270,7 @@ class FusedPipeline:
 
         Out-of-range ids would otherwise become all-zero one-hot rows without a word. Host
         arrays are checked always, device arrays only with `check_device_ids` (as inputs)."""
-        if self.error_fn not in _CLASS_ID_ERRORS:
+        if not self.error_fn.class_ids:
             return
         if not jnp.issubdtype(jnp.result_type(target), jnp.integer):
             return
@@ -481,23 +477,7 @@ class FusedPipeline:
         if self._last is None:
             return []
         chosen = self._select_step(jax.device_get(self._last), index)
-        rows = []
-        for path, m in iter_metrics(chosen.parts):
-            if not isinstance(m, PartMetrics):
-                continue
-            update, weight = float(m.update_norm), float(m.weight_norm)
-            rows.append(
-                {
-                    "part": display_path(path),
-                    "layer_sizes": list(m.layer_sizes),
-                    "update_norm": update,
-                    "error_norm": float(m.error_norm),
-                    "weight_norm": weight,
-                    "update_ratio": update / weight if weight > 0 else float("nan"),
-                    "finite": bool(m.finite),
-                }
-            )
-        return rows
+        return report_rows(chosen.parts)
 
     def nonfinite_part(self, index: int = -1) -> str | None:
         """The part where the last step's non-finite value first appeared (backward order),

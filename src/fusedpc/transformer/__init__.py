@@ -2,7 +2,9 @@
 (`fusedpc.transformer.reference`, with its backprop step) and generation."""
 
 from fusedpc.transformer import reference as reference
+from fusedpc.transformer._build import AUTO_UNROLL_BLOCKS as AUTO_UNROLL_BLOCKS
 from fusedpc.transformer._build import GPTConfig as GPTConfig
+from fusedpc.transformer._build import blocks_form as blocks_form
 from fusedpc.transformer._build import build_gpt as build_gpt
 from fusedpc.transformer._build import hybrid_from_gpt as hybrid_from_gpt
 from fusedpc.transformer._build import to_reference as to_reference
