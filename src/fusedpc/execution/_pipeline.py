@@ -12,7 +12,7 @@ import numpy as np
 
 from fusedpc.core import losses as _errors
 from fusedpc.core._checks import check_part
-from fusedpc.core._metrics import FiniteFlag, all_finite, iter_metrics, leaf_finite
+from fusedpc.core._metrics import FiniteFlag, all_finite, iter_metrics, leaf_finite, report_rows
 from fusedpc.core._part import PyTree, display_path
 from fusedpc.execution import _sharding
 
