@@ -9,6 +9,8 @@ from fusedpc.training._calibrate import format_table as format_table
 from fusedpc.training._host_memory import host_memory_env as host_memory_env
 from fusedpc.training._host_memory import host_memory_reused as host_memory_reused
 from fusedpc.training._host_memory import reuse_host_memory as reuse_host_memory
+from fusedpc.training._optimisers import OPTIMISERS as OPTIMISERS
+from fusedpc.training._optimisers import make_optimiser as make_optimiser
 from fusedpc.training._train import TrainConfig as TrainConfig
 from fusedpc.training._train import load_run as load_run
 from fusedpc.training._train import train as train

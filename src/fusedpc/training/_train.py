@@ -41,7 +41,6 @@ from typing import Any, TextIO
 
 import jax
 import numpy as np
-import optax
 from jax.experimental.compilation_cache import compilation_cache
 
 from fusedpc.execution._checkpoint import read_checkpoint_manifest
@@ -49,6 +48,7 @@ from fusedpc.execution._pipeline import FusedPipeline
 from fusedpc.execution._sharding import data_mesh, initialize_distributed, make_global_batch
 from fusedpc.parts.learning._local_update import LEARNING_KINDS
 from fusedpc.training import _plots, data
+from fusedpc.training._optimisers import OPTIMISERS, make_optimiser
 from fusedpc.training._progress import Progress, format_duration
 from fusedpc.transformer._build import SLOTS, GPTConfig, build_gpt
 from fusedpc.transformer._generate import generate
@@ -57,7 +57,6 @@ CHECKPOINT_NAME = "checkpoint.fpc"
 LOG_NAME = "log.jsonl"
 CONFIG_NAME = "config.toml"
 
-OPTIMISERS = ("adam", "adamw", "sgd")
 TOKENIZERS = ("char", "byte")
 
 
@@ -378,14 +377,9 @@ def resume_config(run_dir: str | os.PathLike, overrides: dict[str, Any] | None =
 
 
 # --------------------------------------------------------------------------- pieces
-def make_optimiser(config: TrainConfig, scale: float = 1.0):
+def config_optimiser(config: TrainConfig, scale: float = 1.0):
     """The optax optimiser named by `config.optimiser` at rate `scale * config.lr`."""
-    lr = config.lr * scale
-    if config.optimiser == "adam":
-        return optax.adam(lr)
-    if config.optimiser == "adamw":
-        return optax.adamw(lr, weight_decay=config.weight_decay)
-    return optax.sgd(lr)
+    return make_optimiser(config.optimiser, config.lr * scale, config.weight_decay)
 
 
 def load_tokens(config: TrainConfig, tokenizer: dict | None = None):
@@ -421,10 +415,10 @@ def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
     """The `FusedPipeline` of a run: `build_gpt` at `jax.random.key(config.seed)`."""
     gpt = config.gpt_config(vocab_size)
     slot_optimisers = {
-        slot: make_optimiser(config, scale) for slot, scale in config.lr_scales().items()
+        slot: config_optimiser(config, scale) for slot, scale in config.lr_scales().items()
     }
     part, _ = build_gpt(
-        gpt, make_optimiser(config), jax.random.key(config.seed), slot_optimisers=slot_optimisers
+        gpt, config_optimiser(config), jax.random.key(config.seed), slot_optimisers=slot_optimisers
     )
     return FusedPipeline(part, gpt.error_fn, key=jax.random.key(config.seed), mesh=mesh)
 
