@@ -9,6 +9,7 @@ import os
 import pytest
 
 from fusedpc import bench
+from fusedpc.bench import _workers
 
 MICRO = [
     "--vocab", "7", "--width", "4", "--heads", "2", "--blocks", "1", "--seq", "4",
@@ -97,21 +98,27 @@ def test_bad_flags_are_refused(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_worker_argv_carries_every_measurement_flag():
-    # A worker must measure exactly what the parent was asked for: every flag but the
-    # orchestration ones (which depth, which process) survives the round trip.
-    parser = bench.build_parser()
+def test_worker_receives_exactly_the_parents_settings():
+    # A worker must measure exactly what the parent was asked for: the whole BenchArgs
+    # survives the round trip through the worker's request, with the task and its depth.
     argv = [
         *MICRO, "--blocks", "1,3", "--ff-width", "12", "--nonfinite", "ignore", "--profile",
         "--devices", "2", "--seed", "5", "--peak-sizes", "8,16", "--lr", "0.25",
+        "--host-memory", "system", "--interleave", "--compare",
     ]
-    args = parser.parse_args(argv)
-    bench._check_args(parser, args)
-    worker = parser.parse_args(bench._worker_argv(args, "fused", 3))
-    bench._check_args(parser, worker)
-    skip = {"blocks", "worker", "variants", "compare", "peak", "no_donate_probe", "in_process",
-            "interleave"}
-    for name, value in vars(args).items():
-        if name not in skip:
-            assert getattr(worker, name) == value, name
-    assert worker.blocks == [3] and worker.worker == "fused"
+    args, worker = bench.parse_args(argv)
+    assert not worker
+    assert args.ff_width == 12 and args.blocks == (1, 3) and args.lr == 0.25
+    assert args.variants == bench.SWEEP_VARIANTS  # the sweep's default, resolved once
+    request = _workers.worker_request(args, "fused", 3)
+    received, task, blocks = _workers.read_worker_request(request)
+    assert received == args
+    assert (task, blocks) == ("fused", 3)
+    assert bench.BenchArgs.from_json(args.to_json()) == args
+
+
+def test_settings_are_checked_when_built():
+    with pytest.raises(ValueError, match="must divide --width"):
+        bench.BenchArgs(width=6, heads=4, ff_width=24)
+    with pytest.raises(ValueError, match="unknown variants"):
+        bench.BenchArgs(variants=("fused", "warp"))

@@ -1,0 +1,286 @@
+"""The bench's settings: one frozen `BenchArgs`, built from the command line once and handed
+whole to every measuring process (as JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from fusedpc.training import OPTIMISERS
+
+# Private until `fusedpc.training` exports it: the allocator modes `--host-memory` takes.
+from fusedpc.training._host_memory import HOST_MEMORY_MODES
+
+VARIANTS = ("fused", "fused_run", "unfused", "backprop")
+"""The variants measured by default (one depth)."""
+UNROLLED_VARIANTS = ("fused_unrolled", "fused_run_unrolled")
+"""Fused variants with the blocks as a tuple, unrolled (`GPTConfig(scan=False)`)."""
+SCANNED_VARIANTS = ("fused_scan", "fused_run_scan")
+"""Fused variants with the blocks always scanned (`GPTConfig(scan=True)`)."""
+SWEEP_VARIANTS = ("fused_scan", "fused_unrolled")
+"""The variants a depth sweep measures by default."""
+PROBES = ("peak", "donation")
+"""Measurements that are not a training step: the matmul peak and the donation probe."""
+RUN_VARIANTS = ("fused_run", "fused_run_scan", "fused_run_unrolled")
+"""The variants that time `FusedPipeline.run` (`k` steps per call)."""
+FUSED_VARIANTS = ("fused", "fused_run", *SCANNED_VARIANTS, *UNROLLED_VARIANTS)
+"""Every variant that runs a `FusedPipeline`."""
+ALL_VARIANTS = VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + PROBES
+"""Every name `--variants` accepts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchArgs:
+    """Every setting of one bench run, checked on construction.
+
+    The fields are the command line's flags (`--ff-width` is `ff_width`), with the defaults
+    that depend on other flags resolved by `from_namespace`: `ff_width` (4 x `width`) and
+    `variants` (`VARIANTS`, or `SWEEP_VARIANTS` for a depth sweep).
+
+    Raises:
+        ValueError: on construction, for a setting out of range; the message names the flag.
+    """
+
+    vocab: int = 65
+    width: int = 64
+    heads: int = 4
+    blocks: tuple[int, ...] = (2,)
+    ff_width: int = 256
+    seq: int = 64
+    batch: int = 16
+    steps: int = 20
+    warmup: int = 3
+    learning: str = "all"
+    k: int = 10
+    optimiser: str = "adam"
+    lr: float = 1e-3
+    variants: tuple[str, ...] = VARIANTS
+    nonfinite: str = "skip"
+    profile: bool = False
+    compare: bool = False
+    peak: bool = False
+    peak_sizes: tuple[int, ...] = (1024, 2048)
+    no_donate_probe: bool = False
+    devices: int = 1
+    in_process: bool = False
+    interleave: bool = False
+    host_memory: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("vocab", "width", "heads", "seq", "batch", "steps", "k", "devices"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.ff_width < 1:
+            raise ValueError(f"--ff-width must be >= 1, got {self.ff_width}")
+        if self.width % self.heads:
+            raise ValueError(f"--heads {self.heads} must divide --width {self.width}")
+        if self.batch % self.devices:
+            raise ValueError(f"--batch {self.batch} must divide over --devices {self.devices}")
+        if not self.blocks or any(b < 1 for b in self.blocks):
+            raise ValueError(f"--blocks must be integers >= 1, got {list(self.blocks)}")
+        if not self.peak_sizes or any(n < 1 for n in self.peak_sizes):
+            raise ValueError(f"--peak-sizes must be integers >= 1, got {list(self.peak_sizes)}")
+        unknown = [v for v in self.variants if v not in ALL_VARIANTS]
+        if unknown or not self.variants:
+            raise ValueError(
+                f"unknown variants {unknown or list(self.variants)}; choose from "
+                f"{', '.join(ALL_VARIANTS)}"
+            )
+        choices = {
+            "learning": ("all", "ff_head", "none"),
+            "optimiser": OPTIMISERS,
+            "nonfinite": ("skip", "raise", "ignore"),
+            "host_memory": HOST_MEMORY_MODES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be one of {allowed}, "
+                    f"got {getattr(self, name)!r}"
+                )
+
+    @property
+    def sweep(self) -> bool:
+        """Whether this is a depth sweep (more than one `blocks`)."""
+        return len(self.blocks) > 1
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> BenchArgs:
+        """The settings of a parsed command line (`build_parser().parse_args(...)`).
+
+        Args:
+            namespace: the parsed flags.
+
+        Returns:
+            The `BenchArgs`, with `ff_width` and `variants` resolved when not given.
+
+        Raises:
+            ValueError: for a setting out of range.
+        """
+        values = dict(vars(namespace))
+        values.pop("worker", None)
+        if values["ff_width"] is None:
+            values["ff_width"] = 4 * values["width"]
+        if values["variants"] is None:
+            values["variants"] = SWEEP_VARIANTS if len(values["blocks"]) > 1 else VARIANTS
+        for name in ("blocks", "variants", "peak_sizes"):
+            values[name] = tuple(values[name])
+        return cls(**values)
+
+    def to_json(self) -> str:
+        """These settings as a JSON object (`from_json` reads it back equal)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchArgs:
+        """The settings written by `to_json`.
+
+        Args:
+            text: a JSON object with one member per field.
+
+        Returns:
+            The `BenchArgs`, equal to the one written.
+        """
+        values: dict[str, Any] = json.loads(text)
+        for name in ("blocks", "variants", "peak_sizes"):
+            values[name] = tuple(values[name])
+        return cls(**values)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer or a comma-separated list of integers, got {text!r}"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _variant_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in values if v not in ALL_VARIANTS]
+    if unknown or not values:
+        raise argparse.ArgumentTypeError(
+            f"unknown variants {unknown or values}; choose from {', '.join(ALL_VARIANTS)}"
+        )
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `fusedpc bench` command line; `parse_args` turns its flags into a `BenchArgs`."""
+    d = BenchArgs()
+    p = argparse.ArgumentParser(
+        prog="fusedpc bench",
+        description="Benchmark a GPT part tree: fused step, fused run (K steps per call), "
+        "unfused (one jit per part) and the backprop twin, side by side. Prints one JSON "
+        "object per line.",
+    )
+    p.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size (default 65)")
+    p.add_argument("--width", type=int, default=d.width, help="model width (default 64)")
+    p.add_argument("--heads", type=int, default=d.heads, help="attention heads (default 4)")
+    p.add_argument(
+        "--blocks", type=_int_list, default=list(d.blocks),
+        help="blocks; a comma-separated list (1,2,4,8,16) runs the depth sweep (default 2)",
+    )
+    p.add_argument("--ff-width", type=int, default=None, help="feed-forward width (4 x width)")
+    p.add_argument("--seq", type=int, default=d.seq, help="sequence length (default 64)")
+    p.add_argument("--batch", type=int, default=d.batch, help="batch size (default 16)")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per variant (>= 1)")
+    p.add_argument(
+        "--warmup", type=int, default=d.warmup, help="untimed steps after the first call"
+    )
+    p.add_argument(
+        "--learning", choices=("all", "ff_head", "none"), default=d.learning,
+        help="which slots learn (default all)",
+    )
+    p.add_argument("--k", type=int, default=d.k, help="steps per `run` call (default 10)")
+    p.add_argument(
+        "--optimiser", choices=OPTIMISERS, default=d.optimiser,
+        help="optimiser, as fusedpc.training.make_optimiser (default adam)",
+    )
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate (default 1e-3)")
+    p.add_argument(
+        "--variants", type=_variant_list, default=None,
+        help="comma-separated variants: fused,fused_run,unfused,backprop (the default), "
+        "fused_scan,fused_run_scan (blocks always scanned), fused_unrolled,fused_run_unrolled "
+        "(blocks a tuple, unrolled); fused and fused_run use build_gpt's scan='auto' (the "
+        "sweep's default is fused_scan,fused_unrolled); the probes peak and "
+        "donation may be named too (--variants donation runs the donation probe alone)",
+    )
+    p.add_argument(
+        "--nonfinite", choices=("skip", "raise", "ignore"), default=d.nonfinite,
+        help="FusedPipeline's non-finite policy for the fused variants and the donation probe "
+        "(default skip; ignore measures the step without its guard)",
+    )
+    p.add_argument(
+        "--profile", action="store_true",
+        help="trace 3 more calls per variant with jax.profiler and add the compiled program's "
+        "time per kind of kernel (ms per call, summed over threads) to its row",
+    )
+    p.add_argument("--compare", action="store_true", help="add ratios to backprop at the end")
+    p.add_argument("--peak", action="store_true", help="run the matmul peak probe first")
+    p.add_argument(
+        "--peak-sizes", type=_int_list, default=list(d.peak_sizes),
+        help="matrix sizes n for the n x n x n float32 peak probe (best is reported)",
+    )
+    p.add_argument(
+        "--no-donate-probe", action="store_true",
+        help="skip the donation probe (compiled memory with and without donation)",
+    )
+    p.add_argument(
+        "--devices", type=int, default=d.devices,
+        help="emulated CPU devices (sets XLA_FLAGS before jax starts); batch sharded over them",
+    )
+    p.add_argument(
+        "--in-process", action="store_true",
+        help="run every measurement in this process (peak_mb is then an RSS growth)",
+    )
+    p.add_argument(
+        "--interleave", action="store_true",
+        help="build every variant in this process and time their calls in turn (one call of "
+        "each per round): fairer ratios on a shared machine; peak_mb is then an RSS growth",
+    )
+    p.add_argument(
+        "--host-memory", choices=HOST_MEMORY_MODES, default=d.host_memory,
+        help="host allocator of every measuring process, as `fusedpc train --host-memory`: "
+        "reuse (fusedpc.training.reuse_host_memory(): freed host memory kept for the next step "
+        "instead of unmapped and faulted in again), system (the C library's defaults) or auto "
+        "(reuse when the step's estimated temporaries reach 128 MiB; the default)",
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="PRNG seed of weights and batches")
+    # A measuring process: reads its task and the parent's BenchArgs from stdin (_workers).
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(
+    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> tuple[BenchArgs, bool]:
+    """Parse and check a command line.
+
+    Args:
+        argv: the flags (default `sys.argv[1:]`).
+        parser: the parser to use and to report errors through (default `build_parser()`).
+
+    Returns:
+        `(args, worker)`: the settings, and whether this process is a measuring worker
+        (hidden flag `--worker`; its settings then come from stdin, not from `argv`).
+
+    Raises:
+        SystemExit: with code 2 and a message on stderr, for a bad flag.
+    """
+    parser = parser or build_parser()
+    namespace = parser.parse_args(argv)
+    try:
+        return BenchArgs.from_namespace(namespace), namespace.worker
+    except ValueError as error:
+        parser.error(str(error))
+        raise  # unreachable: parser.error exits

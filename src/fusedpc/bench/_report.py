@@ -1,0 +1,97 @@
+"""The rows that summarise measured rows: the settings of a row, the ratios to backprop
+(`--compare`), the depth sweep's summary, and the human table on stderr."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fusedpc.bench._args import SWEEP_VARIANTS, BenchArgs
+
+
+def config_fields(args: BenchArgs, blocks: int) -> dict[str, Any]:
+    """The settings a row was measured at (the model's shape, its training, its devices)."""
+    return {
+        "vocab": args.vocab,
+        "width": args.width,
+        "heads": args.heads,
+        "blocks": blocks,
+        "ff_width": args.ff_width,
+        "seq": args.seq,
+        "batch": args.batch,
+        "learning": args.learning,
+        "optimiser": args.optimiser,
+        "lr": args.lr,
+        "nonfinite": args.nonfinite,
+        "steps": args.steps,
+        "devices": args.devices,
+    }
+
+
+def compare_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The `compare` row: each variant's step time over backprop's (wall clock and CPU), and
+    unfused over fused, fused over fused run; `None` when no row was timed."""
+    by_variant = {r["variant"]: r for r in rows if "step_ms" in r}
+    if not by_variant:
+        return None
+    base = by_variant.get("backprop")
+    ratios = {
+        name: None if base is None else r["step_ms"] / base["step_ms"]
+        for name, r in by_variant.items()
+    }
+    cpu_ratios = {
+        name: None if base is None else r["step_cpu_ms"] / base["step_cpu_ms"]
+        for name, r in by_variant.items()
+    }
+    out: dict[str, Any] = {
+        "variant": "compare",
+        "ratio_to_backprop": ratios,
+        "cpu_ratio_to_backprop": cpu_ratios,
+    }
+    if "unfused" in by_variant and "fused" in by_variant:
+        out["unfused_over_fused"] = (
+            by_variant["unfused"]["step_ms"] / by_variant["fused"]["step_ms"]
+        )
+    if "fused_run" in by_variant and "fused" in by_variant:
+        out["fused_over_fused_run"] = (
+            by_variant["fused"]["step_ms"] / by_variant["fused_run"]["step_ms"]
+        )
+    return out
+
+
+def sweep_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The `sweep_summary` row: per sweep variant, the deepest over the shallowest depth's
+    compile and step times; `None` when no variant was measured at two depths."""
+    out: dict[str, Any] = {"variant": "sweep_summary"}
+    for variant in SWEEP_VARIANTS:
+        mine = sorted((r for r in rows if r.get("variant") == variant), key=lambda r: r["blocks"])
+        if len(mine) < 2:
+            continue
+        lo, hi = mine[0], mine[-1]
+        out[variant] = {
+            "blocks": [lo["blocks"], hi["blocks"]],
+            "compile_ratio": hi["compile_s"] / lo["compile_s"],
+            "compile_only_ratio": hi["compile_only_s"] / max(lo["compile_only_s"], 1e-9),
+            "step_ratio": hi["step_ms"] / lo["step_ms"],
+        }
+    return out if len(out) > 1 else None
+
+
+def table(rows: list[dict[str, Any]], compare: dict[str, Any] | None) -> str:
+    """The timed rows as a fixed-width text table, with the ratio to backprop if compared."""
+    ratios = (compare or {}).get("ratio_to_backprop", {})
+    head = (
+        f"{'variant':<15}{'blocks':>7}{'step ms':>10}{'cpu ms':>9}{'tokens/s':>11}{'compile s':>11}"
+        f"{'peak MB':>9}{'GFLOP/s':>9}{'ratio':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "step_ms" not in r:
+            continue
+        ratio = ratios.get(r["variant"])
+        lines.append(
+            f"{r['variant']:<15}{r['blocks']:>7}{r['step_ms']:>10.2f}{r['step_cpu_ms']:>9.2f}"
+            f"{r['tokens_per_s']:>11.0f}"
+            f"{r['compile_s']:>11.2f}{r['peak_mb']:>9.0f}{r['gflops']:>9.2f}"
+            f"{'' if ratio is None else format(ratio, '.2f'):>7}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,202 @@
+"""Building what a variant measures: the GPT, its optimiser, the mesh, the batches, and the
+one call that the timing loop repeats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fusedpc.bench._args import (
+    FUSED_VARIANTS,
+    RUN_VARIANTS,
+    SCANNED_VARIANTS,
+    UNROLLED_VARIANTS,
+    BenchArgs,
+)
+
+
+def variant_scan(variant: str) -> bool | str:
+    """The `GPTConfig.scan` a fused variant is built with.
+
+    Args:
+        variant: a fused variant's name.
+
+    Returns:
+        `True` (always scanned), `False` (a tuple of blocks) or `"auto"` (`build_gpt`'s
+        default: a `Repeat` unrolled up to `AUTO_UNROLL_BLOCKS` blocks, scanned beyond).
+    """
+    if variant in SCANNED_VARIANTS:
+        return True
+    if variant in UNROLLED_VARIANTS:
+        return False
+    return "auto"
+
+
+def variant_blocks_form(variant: str, blocks: int) -> str:
+    """How a fused variant runs its blocks (`fusedpc.transformer.blocks_form`).
+
+    Args:
+        variant: a fused variant's name.
+        blocks: the number of blocks.
+
+    Returns:
+        `"scanned"`, `"unrolled"` (an unrolled `Repeat`, what `scan="auto"` gives for few
+        blocks) or `"tuple"` (`scan=False`).
+    """
+    from fusedpc.transformer import blocks_form
+
+    return blocks_form(variant_scan(variant), blocks)
+
+
+class Setup:
+    """The GPT config, optimiser, mesh and device-resident batches shared by a variant.
+
+    Args:
+        args: the bench's settings.
+        blocks: the number of GPT blocks (one depth of a sweep).
+
+    Raises:
+        RuntimeError: when `args.devices` asks for more devices than jax sees (jax started
+            before `XLA_FLAGS` was set).
+    """
+
+    def __init__(self, args: BenchArgs, blocks: int):
+        import jax
+        import jax.numpy as jnp
+
+        from fusedpc.training import make_optimiser
+
+        self.args = args
+        self.blocks = blocks
+        self.optimiser = make_optimiser(args.optimiser, args.lr)
+        self.mesh = None
+        if args.devices > 1:
+            if jax.device_count() < args.devices:
+                raise RuntimeError(
+                    f"--devices {args.devices}: jax sees {jax.device_count()} devices; jax "
+                    "started before XLA_FLAGS was set. Run the bench in a fresh process."
+                )
+            self.mesh = jax.sharding.Mesh(jax.devices()[: args.devices], ("data",))
+        key = jax.random.key(args.seed)
+        self.model_key, data_key = jax.random.split(key)
+        k_ids, k_targets = jax.random.split(data_key)
+        shape = (4, args.batch, args.seq)
+        self.ids = jax.random.randint(k_ids, shape, 0, args.vocab, dtype=jnp.int32)
+        self.targets = jax.random.randint(k_targets, shape, 0, args.vocab, dtype=jnp.int32)
+        # Sliced and placed once: a call's timing holds the step, not the batch's preparation.
+        self.batches = [
+            (self.shard(self.ids[j]), self.shard(self.targets[j])) for j in range(shape[0])
+        ]
+        run_shape = (args.k, args.batch, args.seq)
+        self.run_ids = jax.random.randint(k_ids, run_shape, 0, args.vocab, dtype=jnp.int32)
+        self.run_targets = jax.random.randint(
+            k_targets, run_shape, 0, args.vocab, dtype=jnp.int32
+        )
+
+    def config(self, scan: bool | str):
+        """The `GPTConfig` of these settings with blocks run per `scan`."""
+        import fusedpc
+
+        args = self.args
+        return fusedpc.GPTConfig(
+            vocab_size=args.vocab, width=args.width, n_heads=args.heads, n_blocks=self.blocks,
+            ff_width=args.ff_width, max_len=args.seq, learn=args.learning, scan=scan,
+        )
+
+    def build(self, scan: bool | str):
+        """`(config, part, reference)`: the config and `fusedpc.build_gpt`'s part and twin."""
+        import fusedpc
+
+        config = self.config(scan)
+        part, reference = fusedpc.build_gpt(config, self.optimiser, self.model_key)
+        return config, part, reference
+
+    def pipeline(self, variant: str):
+        """The `FusedPipeline` of a fused variant."""
+        import fusedpc
+
+        config, part, _ = self.build(scan=variant_scan(variant))
+        return fusedpc.FusedPipeline(
+            part, config.error_fn, mesh=self.mesh, nonfinite=self.args.nonfinite
+        )
+
+    def shard(self, x, axis: int = 0):
+        """Place a batch with its batch axis over the mesh's 'data' axis (no mesh: as is)."""
+        if self.mesh is None:
+            return x
+        import jax
+
+        spec = [None] * x.ndim
+        spec[axis] = "data"
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.device_put(x, sharding)
+
+    def batch(self, i: int):
+        """The `i`-th `(ids, targets)` batch (four, taken in turn)."""
+        return self.batches[i % len(self.batches)]
+
+
+def prepare_variant(args: BenchArgs, variant: str, blocks: int) -> tuple[Callable, int]:
+    """Build one variant.
+
+    Args:
+        args: the bench's settings.
+        variant: the variant's name (not a probe).
+        blocks: the number of GPT blocks.
+
+    Returns:
+        `(call, steps_per_call)`: `call(i)` runs one call on batch `i` and returns what to
+        block on; `steps_per_call` is `args.k` for the `run` variants, 1 otherwise.
+
+    Raises:
+        ValueError: for an unknown variant.
+    """
+    import equinox as eqx
+    import jax
+
+    from fusedpc.execution import UnfusedPipeline
+    from fusedpc.transformer.reference import make_backprop_step
+
+    setup = Setup(args, blocks)
+    if variant in FUSED_VARIANTS:
+        pipeline = setup.pipeline(variant)
+        if variant in RUN_VARIANTS:
+
+            def run_call(i: int) -> Any:
+                pipeline.run(setup.run_ids, setup.run_targets, keep_outputs=False)
+                return pipeline.state, pipeline.last_metrics.loss
+
+            return run_call, args.k
+
+        def step_call(i: int) -> Any:
+            y, e = pipeline.step(*setup.batch(i))
+            return y, e, pipeline.state
+
+        return step_call, 1
+
+    if variant == "unfused":
+        config, part, _ = setup.build(scan=False)
+        plain = UnfusedPipeline(part, config.error_fn, mesh=setup.mesh)
+
+        def unfused_call(i: int) -> Any:
+            y, e = plain.step(*setup.batch(i))
+            return y, e, plain.state
+
+        return unfused_call, 1
+
+    if variant == "backprop":
+        _, _, reference = setup.build(scan=True)
+        step = make_backprop_step(setup.optimiser)
+        holder = {"model": reference, "opt": None}
+        if setup.mesh is not None:
+            replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+            holder["model"] = jax.device_put(holder["model"], replicated)
+        holder["opt"] = setup.optimiser.init(eqx.filter(holder["model"], eqx.is_array))
+
+        def backprop_call(i: int) -> Any:
+            model, opt, loss = step(holder["model"], holder["opt"], *setup.batch(i))
+            holder["model"], holder["opt"] = model, opt
+            return model, loss
+
+        return backprop_call, 1
+    raise ValueError(f"unknown variant {variant!r}")

@@ -1,0 +1,119 @@
+"""Running one measurement, here or in a fresh measuring process.
+
+A worker is `python -m fusedpc.bench --worker`, its environment this process's plus the
+device count (`XLA_FLAGS`) and the host allocator's settings (read by glibc and XLA when the
+process starts); it reads one request from stdin, the parent's whole `BenchArgs` with the task
+and depth to measure (`worker_request`), and prints the measured row as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from fusedpc.bench._args import BenchArgs
+
+# Private until `fusedpc.training` exports them: the estimate of a step's temporaries and the
+# `--host-memory` decision that `fusedpc train` makes too.
+from fusedpc.training._host_memory import gpt_step_temporaries, wants_host_memory_reuse
+
+
+def run_task(args: BenchArgs, task: str, blocks: int) -> dict[str, Any]:
+    """One measurement in this process.
+
+    Args:
+        args: the bench's settings.
+        task: a variant's name, `"peak"` or `"donation"`.
+        blocks: the number of GPT blocks.
+
+    Returns:
+        The measurement's JSON row.
+    """
+    from fusedpc.bench._measure import measure_variant
+    from fusedpc.bench._probes import measure_donation, measure_peak
+
+    if task == "peak":
+        return measure_peak(args)
+    if task == "donation":
+        return measure_donation(args, blocks)
+    return measure_variant(args, task, blocks)
+
+
+def step_temporaries(args: BenchArgs) -> int:
+    """`gpt_step_temporaries` of the deepest config measured (all depths share the choice)."""
+    return gpt_step_temporaries(
+        batch=args.batch, seq=args.seq, width=args.width, heads=args.heads,
+        blocks=max(args.blocks), ff_width=args.ff_width,
+    )
+
+
+def wants_reuse(args: BenchArgs) -> bool:
+    """Whether `--host-memory` asks the measuring processes to reuse host memory."""
+    return wants_host_memory_reuse(args.host_memory, step_temporaries(args))
+
+
+def with_device_flags(env: dict[str, str], n: int) -> dict[str, str]:
+    """`env` with `XLA_FLAGS` asking for `n` host-platform devices (unchanged for n = 1)."""
+    if n <= 1:
+        return env
+    flags = [
+        f for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    return {**env, "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])}
+
+
+def worker_request(args: BenchArgs, task: str, blocks: int) -> str:
+    """The JSON a worker reads from stdin: the settings whole, the task and the depth."""
+    return json.dumps({"task": task, "blocks": blocks, "args": json.loads(args.to_json())})
+
+
+def read_worker_request(text: str) -> tuple[BenchArgs, str, int]:
+    """`(args, task, blocks)` from `worker_request`'s JSON; `args` equals the parent's."""
+    request = json.loads(text)
+    return BenchArgs.from_json(json.dumps(request["args"])), request["task"], request["blocks"]
+
+
+def in_subprocess(args: BenchArgs, task: str, blocks: int) -> dict[str, Any]:
+    """One measurement in a fresh worker process; returns its row.
+
+    Raises:
+        RuntimeError: when the worker fails or prints no row; the message ends with its
+            stderr.
+    """
+    command = [sys.executable, "-m", "fusedpc.bench", "--worker"]
+    env = with_device_flags(dict(os.environ), args.devices)  # this process's env untouched
+    if wants_reuse(args):
+        from fusedpc.training import host_memory_env
+
+        env.update(host_memory_env())  # read by glibc when the worker starts
+    done = subprocess.run(
+        command, input=worker_request(args, task, blocks), capture_output=True, text=True,
+        env=env,
+    )
+    rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not rows:
+        raise RuntimeError(
+            f"bench worker for {task!r} (blocks={blocks}) failed with exit code "
+            f"{done.returncode}:\n{done.stderr[-4000:]}"
+        )
+    return json.loads(rows[-1])
+
+
+def emit(row: dict[str, Any]) -> None:
+    """Print `row` as one JSON line, flushed."""
+    print(json.dumps(row), flush=True)
+
+
+def worker_main(stdin=None) -> int:
+    """A worker's body: read the request from `stdin` (default `sys.stdin`), measure, print
+    the row. Returns 0."""
+    args, task, blocks = read_worker_request((stdin or sys.stdin).read())
+    # jax starts here; the device flag came with the environment, it is set again for a
+    # worker started by hand
+    os.environ.update(with_device_flags(dict(os.environ), args.devices))
+    emit(run_task(args, task, blocks))
+    return 0
