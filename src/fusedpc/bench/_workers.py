@@ -78,7 +78,15 @@ def read_worker_request(text: str) -> tuple[BenchArgs, str, int]:
 
 
 def in_subprocess(args: BenchArgs, task: str, blocks: int) -> dict[str, Any]:
-    """One measurement in a fresh worker process; returns its row.
+    """One measurement in a fresh worker process.
+
+    Args:
+        args: the bench's settings, handed to the worker whole.
+        task: a variant's name, `"peak"` or `"donation"`.
+        blocks: the number of GPT blocks.
+
+    Returns:
+        The row the worker printed.
 
     Raises:
         RuntimeError: when the worker fails or prints no row; the message ends with its
@@ -109,8 +117,15 @@ def emit(row: dict[str, Any]) -> None:
 
 
 def worker_main(stdin=None) -> int:
-    """A worker's body: read the request from `stdin` (default `sys.stdin`), measure, print
-    the row. Returns 0."""
+    """A worker's body: read the request, measure, print the row as one JSON line.
+
+    Args:
+        stdin: where the request (`worker_request`'s JSON) is read from; `sys.stdin` if
+            `None`.
+
+    Returns:
+        0.
+    """
     args, task, blocks = read_worker_request((stdin or sys.stdin).read())
     # jax starts here; the device flag came with the environment, it is set again for a
     # worker started by hand
