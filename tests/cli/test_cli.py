@@ -21,9 +21,8 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from fusedpc import cli
-from fusedpc.cli import main
-from fusedpc.training import _train
+from fusedpc.cli import _flags, main
+from fusedpc.training import _config, _loop, _runtime, _setup
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -84,7 +83,7 @@ def test_train_writes_every_file_and_the_loss_falls(tiny_run):
     assert len(reports) == 15 * len(parts)
     assert {r["step"] for r in reports} == set(range(2, 31, 2))
     assert all(r["update_ratio"] > 0 and r["finite"] for r in reports)
-    config = _train.read_config_file(tiny_run / "config.toml")
+    config = _config.read_config_file(tiny_run / "config.toml")
     assert config["steps"] == 30 and config["width"] == 16 and config["batch"] == 4
 
 
@@ -112,8 +111,8 @@ def test_train_prints_a_sample_and_a_summary(tiny_run):
 
 
 def test_every_config_setting_has_a_flag():
-    flags = {cli._field(flag) for flag, _ in cli._CONFIG_FLAGS} | {"distributed"}
-    assert flags == {f.name for f in dataclasses.fields(_train.TrainConfig)}
+    flags = {_flags.setting_name(flag) for flag, _ in _flags.CONFIG_FLAGS} | {"distributed"}
+    assert flags == {f.name for f in dataclasses.fields(_config.TrainConfig)}
 
 
 def test_resume_continues_bit_for_bit(train_cli, tmp_path):
@@ -126,8 +125,8 @@ def test_resume_continues_bit_for_bit(train_cli, tmp_path):
         return [(r["step"], r["loss"]) for r in _records(folder, "train")]
 
     assert losses(split) == losses(whole)  # same steps, same float32 losses, bit for bit
-    a, _, _, meta_a = _train.load_run(whole)
-    b, _, _, meta_b = _train.load_run(split)
+    a, _, _, meta_a = _setup.load_run(whole)
+    b, _, _, meta_b = _setup.load_run(split)
     assert meta_a["step"] == meta_b["step"] == 40
     assert meta_a["data"] == meta_b["data"]
     leaves_a = jax.tree_util.tree_leaves(a.state)
@@ -138,18 +137,18 @@ def test_resume_continues_bit_for_bit(train_cli, tmp_path):
 
 
 def test_interrupt_saves_a_checkpoint_and_the_files(cache, tmp_path):
-    _train.enable_compile_cache(cache)
-    config = _train.resolve_config(TINY, {"steps": 30})
+    _runtime.enable_compile_cache(cache)
+    config = _config.resolve_config(TINY, {"steps": 30})
 
     def stop_at_ten(step, loss):
         if step >= 10:
             raise KeyboardInterrupt
 
     out = tmp_path / "stopped"
-    result = _train.train(config, out, callback=stop_at_ten, stream=open(os.devnull, "w"))
+    result = _loop.train(config, out, callback=stop_at_ten, stream=open(os.devnull, "w"))
     assert result.interrupted and result.step == 10
     assert [r["step"] for r in _records(out, "train")][-1] == 10
-    _, _, _, metadata = _train.load_run(out)
+    _, _, _, metadata = _setup.load_run(out)
     assert metadata["step"] == 10 and metadata["data"]["step"] == 10
     assert (out / "update_ratio.png").is_file()
 

@@ -8,7 +8,8 @@ Modes:
 * `mesh`: 8 emulated devices. Sharded `step` / `run` / `predict` against one device, the
   compiled step's HLO, the state's shardings, donation, errors, `model`-axis sharding and
   checkpoints across placements.
-* `emulate`: started without `XLA_FLAGS`; `emulate_cpu_devices` before and after JAX starts.
+* `emulate`: started without `XLA_FLAGS`; `fusedpc.training.emulate_cpu_devices` before and
+  after JAX starts.
 * `distributed`: one process of a local `jax.distributed` run (`FUSEDPC_COORDINATOR`,
   `FUSEDPC_NUM_PROCESSES`, `FUSEDPC_PROCESS_ID` set); trains 5 steps, feeding its own rows of
   each batch, and reports a digest and the norms of its weights.
@@ -184,8 +185,10 @@ def mode_mesh() -> dict:
     out["steps_after_errors"] = [sharded.steps, ran.steps]
 
     # emulate_cpu_devices once JAX runs: enough devices is fine, more is an error.
-    out["emulate_enough"] = error_of(lambda: _sharding.emulate_cpu_devices(8))
-    out["emulate_too_many"] = error_of(lambda: _sharding.emulate_cpu_devices(16))
+    from fusedpc.training._runtime import emulate_cpu_devices
+
+    out["emulate_enough"] = error_of(lambda: emulate_cpu_devices(8))
+    out["emulate_too_many"] = error_of(lambda: emulate_cpu_devices(16))
 
     # Model axis: the widest weights split over "model" on a 4 x 2 mesh.
     mesh2 = _sharding.data_mesh(model=2)
@@ -247,16 +250,17 @@ def checkpoints(part, config, xs, ts, single, sharded) -> dict:
 
 def mode_emulate() -> dict:
     from fusedpc.execution import _sharding
+    from fusedpc.training._runtime import emulate_cpu_devices
 
     out: dict = {"xla_flags_before": os.environ.get("XLA_FLAGS", "")}
     os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0 " + COUNT_FLAG + "=2"
-    _sharding.emulate_cpu_devices(3)
+    emulate_cpu_devices(3)  # jax_num_cpu_devices: wins over the count in XLA_FLAGS
     out["xla_flags_after"] = os.environ["XLA_FLAGS"]
     import jax
 
     out["devices"] = len(jax.devices())
-    out["after_start_enough"] = error_of(lambda: _sharding.emulate_cpu_devices(2))
-    out["after_start_too_many"] = error_of(lambda: _sharding.emulate_cpu_devices(4))
+    out["after_start_enough"] = error_of(lambda: emulate_cpu_devices(2))
+    out["after_start_too_many"] = error_of(lambda: emulate_cpu_devices(4))
     out["mesh_shape"] = dict(_sharding.data_mesh().shape)
     out["mesh_too_big"] = error_of(lambda: _sharding.data_mesh(5))
     return out

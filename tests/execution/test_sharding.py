@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 
 import fusedpc
 from fusedpc.execution import _sharding
+from fusedpc.training import emulate_cpu_devices
 
 WORKER = Path(__file__).with_name("_sharding_worker.py")
 # Every subprocess compiles the tiny GPT's step from scratch; LLVM's optimisation passes are a
@@ -202,8 +203,8 @@ def test_checkpoints_move_between_sharded_and_single_device(mesh_result):
 def test_emulate_cpu_devices_before_and_after_jax_starts():
     r = _Worker("emulate", n_devices=None).result()
     assert r["xla_flags_before"] == ""
-    # appended to the flags already there, the earlier count replaced
-    assert r["xla_flags_after"] == f"{FAST_COMPILE} --xla_force_host_platform_device_count=3"
+    # jax_num_cpu_devices: XLA_FLAGS is left as it was, the option's count wins over its count
+    assert r["xla_flags_after"] == f"{FAST_COMPILE} --xla_force_host_platform_device_count=2"
     assert r["devices"] == 3 and r["mesh_shape"] == {"data": 3}
     assert r["after_start_enough"] is None
     assert r["after_start_too_many"].startswith("RuntimeError: emulate_cpu_devices(4)")
@@ -214,12 +215,12 @@ def test_emulate_cpu_devices_before_and_after_jax_starts():
 def test_emulate_cpu_devices_in_this_process_checks_only():
     have = len(jax.devices("cpu"))
     flags = os.environ.get("XLA_FLAGS")
-    _sharding.emulate_cpu_devices(have)  # already started with enough: a no-op
+    emulate_cpu_devices(have)  # already started with enough: a no-op
     assert os.environ.get("XLA_FLAGS") == flags
     with pytest.raises(RuntimeError, match="already started"):
-        _sharding.emulate_cpu_devices(have + 1)
+        emulate_cpu_devices(have + 1)
     with pytest.raises(ValueError, match="n must be >= 1"):
-        _sharding.emulate_cpu_devices(0)
+        emulate_cpu_devices(0)
 
 
 # --------------------------------------------------------------------------- helpers in-process

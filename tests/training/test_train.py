@@ -13,25 +13,34 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fusedpc.training import _calibrate, _plots, _progress, _train
+from fusedpc.training import (
+    _calibrate,
+    _config,
+    _evaluate,
+    _log,
+    _plots,
+    _progress,
+    _runtime,
+    _setup,
+)
 
 # --------------------------------------------------------------------------- configs
 
 
 def test_defaults_validate_and_round_trip_through_toml(tmp_path):
-    config = _train.TrainConfig()
+    config = _config.TrainConfig()
     config.validate()
     odd = dataclasses.replace(config, text="my \"quoted\" text.txt", lr=2.5e-4, distributed=True,
                               learn="attention,head", temperature=0.0)
     path = tmp_path / "config.toml"
-    path.write_text(_train.config_to_toml(odd))
-    assert _train.read_config_file(path) == dataclasses.asdict(odd)
+    path.write_text(_config.config_to_toml(odd))
+    assert _config.read_config_file(path) == dataclasses.asdict(odd)
 
 
 def test_the_example_configs_are_valid_and_default_toml_is_the_defaults():
     configs = Path(__file__).resolve().parents[2] / "configs"
-    assert _train.resolve_config(configs / "default.toml") == _train.TrainConfig()
-    tiny = _train.resolve_config(configs / "tiny.toml")
+    assert _config.resolve_config(configs / "default.toml") == _config.TrainConfig()
+    tiny = _config.resolve_config(configs / "tiny.toml")
     assert (tiny.width, tiny.heads, tiny.blocks, tiny.seq, tiny.batch) == (16, 2, 1, 16, 4)
 
 
@@ -39,11 +48,11 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[model]\nwidth = 32\nheads = 8\nlearn = ['feed_forward', 'head']\n"
                     "[optimiser]\nlr = 1\n")
-    config = _train.resolve_config(path, {"heads": 4, "steps": 7})
+    config = _config.resolve_config(path, {"heads": 4, "steps": 7})
     assert (config.width, config.heads, config.steps) == (32, 4, 7)
     assert config.learn == "feed_forward,head"
     assert config.lr == 1.0 and isinstance(config.lr, float)
-    assert config.batch == _train.TrainConfig().batch
+    assert config.batch == _config.TrainConfig().batch
 
 
 @pytest.mark.parametrize(
@@ -60,7 +69,7 @@ def test_malformed_config_files_name_the_problem(tmp_path, text, message):
     path = tmp_path / "c.toml"
     path.write_text(text)
     with pytest.raises(ValueError, match="c.toml") as info:
-        _train.resolve_config(path)
+        _config.resolve_config(path)
     assert message in str(info.value)
 
 
@@ -77,24 +86,24 @@ def test_malformed_config_files_name_the_problem(tmp_path, text, message):
 )
 def test_invalid_settings_are_refused(overrides, message):
     with pytest.raises(ValueError) as info:
-        _train.resolve_config(None, overrides)
+        _config.resolve_config(None, overrides)
     assert message in str(info.value)
 
 
 def test_resume_config_allows_only_settings_that_keep_the_run_identical(tmp_path):
-    (tmp_path / "config.toml").write_text(_train.config_to_toml(_train.TrainConfig()))
+    (tmp_path / "config.toml").write_text(_config.config_to_toml(_config.TrainConfig()))
     (tmp_path / "checkpoint.fpc").write_bytes(b"")
-    config = _train.resume_config(tmp_path, {"steps": 5000, "eval_every": 50, "width": 64})
+    config = _config.resume_config(tmp_path, {"steps": 5000, "eval_every": 50, "width": 64})
     assert config.steps == 5000 and config.eval_every == 50
     with pytest.raises(ValueError, match="cannot change lr, seed"):
-        _train.resume_config(tmp_path, {"seed": 3, "lr": 0.1, "steps": 9})
+        _config.resume_config(tmp_path, {"seed": 3, "lr": 0.1, "steps": 9})
 
 
 def test_calls_end_at_multiples_of_steps_per_call():
     def calls(start, total, k):
         sizes, step = [], start
         while step < total:
-            sizes.append(_train.call_size(step, total, k))
+            sizes.append(_setup.call_size(step, total, k))
             step += sizes[-1]
         return sizes
 
@@ -112,10 +121,10 @@ def test_cross_entropy_of_logits_and_probabilities_agree():
     targets = rng.integers(0, 5, size=(2, 3))
     probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     want = -np.mean(np.log(np.take_along_axis(probs, targets[..., None], -1)))
-    assert _train.cross_entropy(logits, targets, False) == pytest.approx(want, rel=1e-12)
-    assert _train.cross_entropy(probs, targets, True) == pytest.approx(want, rel=1e-9)
+    assert _evaluate.cross_entropy(logits, targets, False) == pytest.approx(want, rel=1e-12)
+    assert _evaluate.cross_entropy(probs, targets, True) == pytest.approx(want, rel=1e-9)
     uniform = np.zeros((4, 7))
-    assert _train.cross_entropy(uniform, np.arange(4), False) == pytest.approx(math.log(7))
+    assert _evaluate.cross_entropy(uniform, np.arange(4), False) == pytest.approx(math.log(7))
 
 
 # --------------------------------------------------------------------------- progress
@@ -222,9 +231,9 @@ def test_read_log_names_a_malformed_line(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_text('{"kind": "train", "step": 1}\n\n{oops\n')
     with pytest.raises(ValueError, match=r"log.jsonl:3: not a JSON line"):
-        _train.read_log(path)
+        _log.read_log(path)
     with pytest.raises(FileNotFoundError):
-        _train.read_log(tmp_path / "missing.jsonl")
+        _log.read_log(tmp_path / "missing.jsonl")
 
 
 # --------------------------------------------------------------------------- Ctrl-C
@@ -232,7 +241,7 @@ def test_read_log_names_a_malformed_line(tmp_path):
 
 def test_first_ctrl_c_asks_to_stop_and_the_second_aborts():
     asked, before = [], signal.getsignal(signal.SIGINT)
-    with _train.StopRequest(lambda: asked.append(True)) as stop:
+    with _runtime.StopRequest(lambda: asked.append(True)) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.requested and asked == [True] and not stop.aborted
         with pytest.raises(KeyboardInterrupt):
@@ -242,19 +251,21 @@ def test_first_ctrl_c_asks_to_stop_and_the_second_aborts():
 
 
 def test_distributed_launch_variables_must_come_together(monkeypatch):
-    for name in _train.PROCESS_VARIABLES:
+    for name in _runtime.PROCESS_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FUSEDPC_COORDINATOR", "127.0.0.1:23456")
-    with pytest.raises(ValueError, match="FUSEDPC_NUM_PROCESSES, FUSEDPC_PROCESS_ID missing"):
-        _train.join_processes()
+    # one reader of the variables: fusedpc.initialize_distributed
+    with pytest.raises(ValueError, match="--distributed: .* together .*num_processes=None, "
+                       "process_id=None"):
+        _runtime.join_processes()
     monkeypatch.setenv("FUSEDPC_NUM_PROCESSES", "two")
     monkeypatch.setenv("FUSEDPC_PROCESS_ID", "0")
-    with pytest.raises(ValueError, match="must be integers"):
-        _train.join_processes()
+    with pytest.raises(ValueError, match="FUSEDPC_NUM_PROCESSES: expected an integer"):
+        _runtime.join_processes()
 
 
 def test_slot_lr_scales_parse_and_reject_bad_entries():
-    from fusedpc.training._train import TrainConfig
+    from fusedpc.training._config import TrainConfig
 
     config = TrainConfig(slot_lr_scales="head=0.5, attention=2")
     assert config.lr_scales() == {"head": 0.5, "attention": 2.0}

@@ -19,7 +19,6 @@ compiler then inserts the gathers and reductions that the matmuls over those wei
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -262,41 +261,3 @@ def make_global_batch(local_array: Any, mesh: Mesh, axis: int = 0) -> jax.Array:
     local_array = np.asarray(local_array)
     sharding = batch_sharding(resolve_mesh(mesh), local_array.ndim, axis)
     return jax.make_array_from_process_local_data(sharding, local_array)
-
-
-# --------------------------------------------------------------------------- emulation
-_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def _backends_initialised() -> bool:
-    """Whether JAX has started its backends (no public query exists; read-only use)."""
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):  # a JAX without it: data_mesh reports a shortfall
-        return False
-
-
-def emulate_cpu_devices(n: int) -> None:
-    """Make the CPU platform show `n` devices (`XLA_FLAGS=--xla_force_host_platform_device_count=n`,
-    appended to the existing flags, an earlier count replaced).
-
-    Must run before JAX starts its backends (before the first array or `jax.devices()`).
-    Afterwards it only checks: already started with at least `n` CPU devices is fine, fewer is
-    an error saying to set the variable before starting Python.
-    """
-    n = int(n)
-    if n < 1:
-        raise ValueError(f"emulate_cpu_devices: n must be >= 1, got {n}.")
-    if _backends_initialised():
-        have = len(jax.devices("cpu"))
-        if have < n:
-            raise RuntimeError(
-                f"emulate_cpu_devices({n}): JAX has already started with {have} CPU "
-                f"device(s), and the count cannot change afterwards. Call it before any JAX "
-                f"array is made, or start Python with XLA_FLAGS={_COUNT_FLAG}={n}."
-            )
-        return
-    flags = re.sub(rf"{_COUNT_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"{_COUNT_FLAG}={n}"])

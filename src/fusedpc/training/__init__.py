@@ -1,16 +1,17 @@
 """The training app behind `fusedpc train`: its config, the run loop, the log, data,
 progress, plots, calibration from logs, and process-level runtime settings."""
 
-from fusedpc.execution._sharding import emulate_cpu_devices as emulate_cpu_devices
 from fusedpc.training import data as data
 from fusedpc.training._calibrate import PartCalibration as PartCalibration
 from fusedpc.training._calibrate import calibrate as calibrate
 from fusedpc.training._calibrate import format_table as format_table
+from fusedpc.training._config import TrainConfig as TrainConfig
 from fusedpc.training._host_memory import host_memory_env as host_memory_env
 from fusedpc.training._host_memory import host_memory_reused as host_memory_reused
 from fusedpc.training._host_memory import reuse_host_memory as reuse_host_memory
+from fusedpc.training._loop import TrainResult as TrainResult
+from fusedpc.training._loop import train as train
 from fusedpc.training._optimisers import OPTIMISERS as OPTIMISERS
 from fusedpc.training._optimisers import make_optimiser as make_optimiser
-from fusedpc.training._train import TrainConfig as TrainConfig
-from fusedpc.training._train import load_run as load_run
-from fusedpc.training._train import train as train
+from fusedpc.training._runtime import emulate_cpu_devices as emulate_cpu_devices
+from fusedpc.training._setup import load_run as load_run

@@ -1,0 +1,94 @@
+"""The `fusedpc` argument parser: the sub-commands and the flags of `fusedpc train`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fusedpc.cli._commands import report_command, train_command
+from fusedpc.cli._flags import CONFIG_FLAGS, setting_name
+from fusedpc.training._host_memory import HOST_MEMORY_MODES
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error prints the short usage and one `fusedpc: error:` line.
+    `commands` maps a sub-command's name to its parser."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"fusedpc: error: {message}\n")
+
+
+def build_parser() -> _Parser:
+    from fusedpc.training import TrainConfig  # no JAX backend is started by this import
+
+    parser = _Parser(
+        prog="fusedpc",
+        description="Train hybrid predictive-coding GPTs and read their step reports.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    train = commands.add_parser(
+        "train",
+        usage="fusedpc train [--config FILE] [--out DIR] [--resume DIR] [--steps N] [options]",
+        help="train a hybrid predictive-coding GPT (on the bundled text by default)",
+        description=(
+            "Train a hybrid predictive-coding GPT. Settings come from the defaults, then "
+            "--config FILE, then the flags given. Writes config.toml, log.jsonl, "
+            "checkpoint.fpc and PNG plots into --out."
+        ),
+    )
+    train.add_argument("--config", metavar="FILE", help="TOML config file (see docs/cli.md)")
+    train.add_argument("--out", metavar="DIR",
+                       help="output folder (default runs/<timestamp>; with --resume, DIR)")
+    train.add_argument("--resume", metavar="DIR",
+                       help="continue the run in DIR up to --steps total steps")
+    defaults = TrainConfig()
+    for flag, text in CONFIG_FLAGS:
+        field = setting_name(flag)
+        default = getattr(defaults, field)
+        kind = type(default)
+        metavar = {int: "N", float: "X"}.get(kind, "PATH" if field == "text" else "NAME")
+        train.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar,
+                           help=f"{text} (default {default})")
+    train.add_argument("--distributed", action="store_true", default=None,
+                       help="join a multi-process run (jax.distributed.initialize())")
+    train.add_argument("--compile-cache", metavar="DIR",
+                       help="JAX compilation cache folder, reused by later runs (default "
+                       "$FUSEDPC_CACHE or ~/.cache/fusedpc/jax); 'none' leaves JAX's own "
+                       "setting")
+    train.add_argument("--host-memory", choices=HOST_MEMORY_MODES, default="auto",
+                       help="reuse: keep freed host memory for the next step "
+                       "(fusedpc.training.reuse_host_memory); system: the C library's defaults; "
+                       "auto "
+                       "(default): reuse when a step's estimated temporaries reach 128 MiB")
+    train.set_defaults(handler=train_command)
+
+    report = commands.add_parser(
+        "report",
+        usage="fusedpc report LOG [--out DIR] [--target X] [--fraction X]",
+        help="re-render the plots and print a rate calibration table from a log",
+        description=(
+            "Re-render loss.png, update_norm.png and update_ratio.png from a log.jsonl and "
+            "print, per learning part, the median update/weight ratio and the learning-rate "
+            "multiplier that brings it to --target."
+        ),
+    )
+    report.add_argument("log", metavar="LOG", help="a log.jsonl, or the run folder holding it")
+    report.add_argument("--out", metavar="DIR", help="where to write the plots (default: the "
+                        "log's folder)")
+    report.add_argument("--target", type=float, default=None, metavar="X",
+                        help="target update/weight ratio per step (default 1e-3)")
+    report.add_argument("--fraction", type=float, default=1.0, metavar="X",
+                        help="use only the last FRACTION of the logged steps (default 1)")
+    report.set_defaults(handler=report_command)
+    bench = commands.add_parser(
+        "bench", add_help=False,
+        help="benchmark fused, fused-run, unfused and backprop steps (fusedpc bench --help)",
+    )
+    parser.commands = {"train": train, "report": report, "bench": bench}
+    return parser
+
+

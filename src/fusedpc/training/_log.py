@@ -1,0 +1,62 @@
+"""The run's JSONL log: one JSON object a line, read back by `read_log`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+LOG_NAME = "log.jsonl"
+
+
+def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSONL log, in order; a `ValueError` names a malformed line."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no log file at {path!r}")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object per line")
+            records.append(record)
+    return records
+
+
+def write_lines(path: Path, records: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+
+
+class RunLog:
+    """The run's records: kept in memory (for the plots and the summary) and, on the leading
+    process, appended to `log.jsonl` as they come."""
+
+    def __init__(self, path: Path, history: list[dict], write: bool):
+        self.records = list(history)
+        self._file = None
+        if write:
+            write_lines(path, self.records)
+            self._file = open(path, "a", encoding="utf-8")
+
+    def emit(self, record: dict) -> None:
+        self.records.append(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,363 @@
+"""The training loop behind `fusedpc train`, usable from Python as well.
+
+    from fusedpc.training import TrainConfig, train
+    result = train(TrainConfig(steps=200), "runs/mine")
+    print(result.val_loss, result.sample)
+
+One run trains a hybrid predictive-coding GPT (`fusedpc.build_gpt`) on a text (the bundled
+one by default) with `FusedPipeline.run`, `steps_per_call` steps per compiled call, and writes
+into its folder:
+
+* `config.toml`: the resolved `TrainConfig` (`config_to_toml`), written first;
+* `log.jsonl`: one JSON object a line: `{"kind": "train", "step", "loss", "time",
+  "tokens_per_s", "committed"}` for every step, `{"kind": "eval", "step", "val_loss",
+  "val_perplexity"}` at every evaluation, `{"kind": "report", "step", **row}` for every row of
+  `pipeline.report()` every `report_every` steps, and a `{"kind": "summary", ...}` at the end;
+* `checkpoint.fpc`: `pipeline.save(path, metadata)` with the config, the tokeniser, the data
+  position, the step and the elapsed time;
+* `loss.png`, `update_norm.png`, `update_ratio.png` (see `fusedpc.training._plots`).
+
+Resuming (`resume_from=`) reloads the checkpoint and the data position; batch `k` of the run
+depends only on `(seed, k)` (see `fusedpc.training.data.BatchIterator`), so a resumed run draws the
+batches an uninterrupted one would, whatever `steps_per_call` is, and its losses are the same
+at every later step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+
+from fusedpc.execution._checkpoint import read_checkpoint_manifest
+from fusedpc.execution._sharding import make_global_batch
+from fusedpc.training import _plots, data
+from fusedpc.training._config import CHECKPOINT_NAME, CONFIG_NAME, TrainConfig, config_to_toml
+from fusedpc.training._evaluate import evaluate, host_array
+from fusedpc.training._log import LOG_NAME, RunLog, read_log
+from fusedpc.training._progress import Progress, format_duration
+from fusedpc.training._runtime import StopRequest, join_processes
+from fusedpc.training._setup import build_pipeline, call_size, load_tokens, make_mesh
+from fusedpc.transformer._generate import generate
+
+
+def _in_step(pipeline, step: int) -> bool:
+    """Whether the pipeline's state is alive and at `step` (what the log has recorded)."""
+    try:
+        return pipeline.steps == step
+    except RuntimeError:  # the state was donated to a call that never returned
+        return False
+
+
+def _default_out() -> Path:
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    out = Path("runs") / stamp
+    n = 1
+    while out.exists():
+        n += 1
+        out = Path("runs") / f"{stamp}_{n}"
+    return out
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What `train` returns: the run's folder, final figures and the live pipeline."""
+
+    out: Path
+    config: TrainConfig
+    step: int
+    train_loss: float
+    val_loss: float
+    val_perplexity: float
+    tokens_per_s: float
+    elapsed_s: float
+    compile_s: float
+    skipped_steps: int
+    interrupted: bool
+    sample: str
+    pipeline: Any
+    tokenizer: Any
+    files: list[Path]
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        """`(label, value)` rows of the end-of-run table."""
+        return [
+            ("steps", f"{self.step}" + (" (interrupted)" if self.interrupted else "")),
+            ("train loss (last 10 steps)", f"{self.train_loss:.4f}"),
+            ("validation loss", f"{self.val_loss:.4f}"),
+            ("validation perplexity", f"{self.val_perplexity:.2f}"),
+            ("tokens/s (after compiling)",
+             f"{self.tokens_per_s:,.0f}" if math.isfinite(self.tokens_per_s) else "-"),
+            ("time (all sessions)", format_duration(self.elapsed_s)),
+            ("first call (compiling)", f"{self.compile_s:.1f} s"),
+            ("skipped steps (non-finite)", f"{self.skipped_steps}"),
+            ("output folder", str(self.out)),
+        ]
+
+
+def format_summary(result: TrainResult) -> str:
+    rows = result.summary_rows()
+    width = max(len(label) for label, _ in rows)
+    rule = "-" * (width + 2 + max(len(v) for _, v in rows))
+    body = [f"{label:<{width}}  {value}" for label, value in rows]
+    return "\n".join([rule, *body, rule])
+
+
+class _Session:
+    """One `train` call: the pipeline, the data streams, the log and the clock."""
+
+    def __init__(self, config, out, resume_from, stream, interactive):
+        self.config = config
+        self.leader = jax.process_index() == 0
+        self.processes = jax.process_count()
+        self.out = Path(out if out is not None else resume_from or _default_out())
+        if resume_from is None and (self.out / CHECKPOINT_NAME).exists():
+            raise ValueError(
+                f"{str(self.out)!r} already holds a run ({CHECKPOINT_NAME}); continue it with "
+                f"--resume {self.out}, or choose another --out."
+            )
+        checkpoint = None if resume_from is None else Path(resume_from) / CHECKPOINT_NAME
+        metadata: dict[str, Any] = {}
+        if checkpoint is not None:
+            metadata = read_checkpoint_manifest(checkpoint)["metadata"]
+            if not isinstance(metadata, dict) or "tokenizer" not in metadata:
+                raise ValueError(f"{str(checkpoint)!r} was not written by fusedpc train.")
+        text, self.tokenizer, train_ids, self.val_ids = load_tokens(
+            config, metadata.get("tokenizer")
+        )
+        self.text_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        if metadata and metadata.get("text_sha256") != self.text_hash:
+            raise ValueError(
+                f"the text {config.text!r} differs from the one the run was trained on (its "
+                "SHA-256 changed); resume with the same text."
+            )
+        self.mesh = make_mesh(config)
+        self.pipeline = build_pipeline(config, self.tokenizer.vocab_size, self.mesh)
+        # Each process draws its own rows; batch k depends only on (seed, k).
+        self.batches = data.BatchIterator(
+            train_ids, config.batch, config.seq, seed=config.seed + jax.process_index()
+        )
+        self.step, self.elapsed_before = 0, 0.0
+        if checkpoint is not None:
+            self.pipeline.load(checkpoint)
+            self.step = int(metadata["step"])
+            self.elapsed_before = float(metadata.get("elapsed_s", 0.0))
+            self.batches.load_state_dict({**metadata["data"], "seed": self.batches.seed})
+            if self.batches.step != self.step:
+                raise ValueError(
+                    f"{str(checkpoint)!r}: its data position ({self.batches.step}) and step "
+                    f"({self.step}) disagree; the checkpoint was not written by fusedpc train."
+                )
+            if config.steps <= self.step:
+                raise ValueError(
+                    f"--steps {config.steps} is not beyond the checkpoint's step {self.step}; "
+                    "pass a larger --steps (the total to reach) to continue."
+                )
+        self.start_step = self.step
+        # Validation: the same batches at every evaluation, identical on every process.
+        val_iter = data.BatchIterator(
+            self.val_ids, config.batch * self.processes, config.seq, seed=config.seed
+        )
+        self.val_x, self.val_y = val_iter.next_batches(config.eval_batches)
+        self.tokens_per_step = config.batch * config.seq * self.processes
+
+        history = []
+        if self.leader:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
+            previous = None if resume_from is None else Path(resume_from) / LOG_NAME
+            if previous is not None and previous.exists():
+                history = [r for r in read_log(previous) if int(r.get("step", 0)) <= self.step]
+        self.log = RunLog(self.out / LOG_NAME, history, write=self.leader)
+        self.progress = Progress(
+            config.steps, self.step, stream=stream if self.leader else io.StringIO(),
+            interactive=interactive,
+        )
+        self.began = time.perf_counter()
+        self.compile_s, self.steady_s, self.steady_tokens = 0.0, 0.0, 0
+        self.val_loss, self.val_step = float("nan"), -1
+        self.say(
+            f"fusedpc train: {config.blocks} blocks, width {config.width}, {config.heads} "
+            f"heads, vocabulary {self.tokenizer.vocab_size}, learning {config.learn!r}, "
+            f"{config.optimiser} lr {config.lr:g}; {len(train_ids):,} training tokens -> "
+            f"{self.out}"
+        )
+        if resume_from is not None:
+            self.say(f"resuming from step {self.step} of {resume_from}")
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.began
+
+    def say(self, text: str) -> None:
+        if self.leader:
+            self.progress.message(text)
+
+    def evaluate(self) -> None:
+        probabilities = self.config.head_kind == "categorical"
+        loss = evaluate(self.pipeline, self.val_x, self.val_y, probabilities)
+        self.val_loss, self.val_step = loss, self.step
+        perplexity = float(np.exp(loss))
+        self.log.emit({"kind": "eval", "step": self.step, "val_loss": loss,
+                       "val_perplexity": perplexity})
+        self.say(f"step {self.step}: validation loss {loss:.4f}, perplexity {perplexity:.2f}")
+
+    def save(self) -> None:
+        metadata = {
+            "config": dataclasses.asdict(self.config),
+            "tokenizer": self.tokenizer.to_dict(),
+            "data": self.batches.state_dict(),
+            "step": self.step,
+            "elapsed_s": self.elapsed(),
+            "text_sha256": self.text_hash,
+        }
+        if self.leader:
+            self.pipeline.save(self.out / CHECKPOINT_NAME, metadata)
+        self.log.flush()
+
+    def call(self) -> float:
+        """One compiled call of `run` (up to the next multiple of `steps_per_call`) and its
+        records; returns the last step's loss."""
+        config = self.config
+        k = call_size(self.step, config.steps, config.steps_per_call)
+        xs, ys = self.batches.next_batches(k)
+        if self.processes > 1:
+            xs, ys = make_global_batch(xs, self.mesh, 1), make_global_batch(ys, self.mesh, 1)
+        t0 = time.perf_counter()
+        _, _, metrics = self.pipeline.run(xs, ys, keep_outputs=False)
+        losses, committed = host_array(metrics.loss), host_array(metrics.committed)
+        dt = time.perf_counter() - t0
+        if self.step == self.start_step:
+            self.compile_s = dt
+        else:
+            self.steady_s += dt
+            self.steady_tokens += k * self.tokens_per_step
+        now = self.elapsed()
+        for i in range(k):
+            step = self.step + i + 1
+            self.log.emit({"kind": "train", "step": step, "loss": float(losses[i]),
+                           "time": now - dt * (k - 1 - i) / k,
+                           "tokens_per_s": k * self.tokens_per_step / dt,
+                           "committed": bool(committed[i])})
+            if step % config.report_every == 0:
+                for row in self.pipeline.report(index=i):
+                    self.log.emit({"kind": "report", "step": step, **row})
+        self.step += k
+        self.progress.update(self.step, float(losses[-1]), k * self.tokens_per_step)
+        if _crossed(config.eval_every, self.step - k, self.step):
+            self.evaluate()
+        if _crossed(config.save_every, self.step - k, self.step):
+            self.save()
+        return float(losses[-1])
+
+    def sample(self) -> str:
+        prompt = self.val_ids[: max(1, min(16, self.config.seq // 2))]
+        key = jax.random.fold_in(jax.random.key(self.config.seed), self.step)
+        ids = generate(self.pipeline, prompt[None], self.config.sample_tokens,
+                       self.config.temperature, key)
+        return self.tokenizer.decode(np.asarray(ids)[0])
+
+    def finish(self, interrupted: bool) -> TrainResult:
+        """The last evaluation, the checkpoint, the sample, the summary and the plots."""
+        if interrupted:
+            self.say(f"interrupted at step {self.step}: saving the checkpoint and the files")
+        if self.val_step != self.step:
+            self.evaluate()
+        self.save()
+        self.progress.close()
+        sample = ""
+        if not interrupted and self.config.sample_tokens > 0 and self.processes == 1:
+            sample = self.sample()
+        losses = [r["loss"] for r in self.log.records if r.get("kind") == "train"]
+        tail = [x for x in losses[-10:] if math.isfinite(x)]
+        result = TrainResult(
+            out=self.out,
+            config=self.config,
+            step=self.step,
+            train_loss=float(np.mean(tail)) if tail else float("nan"),
+            val_loss=self.val_loss,
+            val_perplexity=float(np.exp(self.val_loss)),
+            tokens_per_s=self.steady_tokens / self.steady_s if self.steady_s else float("nan"),
+            elapsed_s=self.elapsed(),
+            compile_s=self.compile_s,
+            skipped_steps=self.pipeline.skipped_steps,
+            interrupted=interrupted,
+            sample=sample,
+            pipeline=self.pipeline,
+            tokenizer=self.tokenizer,
+            files=[],
+        )
+        self.log.emit({"kind": "summary", "step": self.step, "train_loss": result.train_loss,
+                       "val_loss": result.val_loss, "val_perplexity": result.val_perplexity,
+                       "tokens_per_s": result.tokens_per_s, "elapsed_s": result.elapsed_s,
+                       "compile_s": result.compile_s, "skipped_steps": result.skipped_steps,
+                       "interrupted": interrupted})
+        self.log.close()
+        if self.leader:
+            result.files = [self.out / CONFIG_NAME, self.out / LOG_NAME,
+                            self.out / CHECKPOINT_NAME,
+                            *_plots.render_all(self.log.records, self.out)]
+        return result
+
+
+def _crossed(every: int, before: int, after: int) -> bool:
+    """Whether a multiple of `every` (> 0) lies in `(before, after]`."""
+    return every > 0 and after // every > before // every
+
+
+def train(
+    config: TrainConfig,
+    out: str | os.PathLike | None = None,
+    *,
+    resume_from: str | os.PathLike | None = None,
+    stream: TextIO | None = None,
+    interactive: bool | None = None,
+    callback: Callable[[int, float], bool | None] | None = None,
+) -> TrainResult:
+    """Train (or continue) a run; see the module docstring for the files it writes.
+
+    Args:
+        config: the run's settings (`resolve_config` / `resume_config` make one).
+        out: the output folder (default `runs/<timestamp>`; with `resume_from`, that folder).
+        resume_from: a run folder to continue from (its `checkpoint.fpc` and log).
+        stream: where the progress line and messages go (default `sys.stderr`).
+        interactive: force the in-place progress line on or off (default: `stream.isatty()`).
+        callback: called after every compiled call with `(step, last loss)`; returning True
+            stops the run as Ctrl-C would (checkpoint and files written).
+
+    The first Ctrl-C (or a `KeyboardInterrupt` raised by `callback`) stops after the current
+    call, then saves the checkpoint and writes every file; `TrainResult.interrupted` is then
+    True. A second Ctrl-C aborts at once without saving (the last checkpoint stays intact).
+    """
+    config.validate()
+    if config.distributed:
+        join_processes()
+    session = _Session(config, out, resume_from, stream, interactive)
+    if session.step == 0:
+        session.evaluate()  # the untrained model: the first point of the validation curve
+    stop = StopRequest(
+        lambda: session.say("stopping after this call (Ctrl-C again to abort at once)")
+    )
+    try:
+        with stop:
+            while session.step < config.steps and not stop.requested:
+                loss = session.call()
+                if callback is not None and callback(session.step, loss):
+                    stop.requested = True
+    except KeyboardInterrupt:
+        # Saving needs the pipeline and the log at the same step: an interrupt inside a
+        # call (a second Ctrl-C) aborts without saving.
+        if stop.aborted or not _in_step(session.pipeline, session.step):
+            session.progress.close()
+            session.log.close()
+            raise
+        stop.requested = True
+    return session.finish(interrupted=stop.requested)
