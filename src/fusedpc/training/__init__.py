@@ -15,3 +15,5 @@ from fusedpc.training._optimisers import OPTIMISERS as OPTIMISERS
 from fusedpc.training._optimisers import make_optimiser as make_optimiser
 from fusedpc.training._runtime import emulate_cpu_devices as emulate_cpu_devices
 from fusedpc.training._setup import load_run as load_run
+from fusedpc.training._table import Column as Column
+from fusedpc.training._table import format_rows as format_rows

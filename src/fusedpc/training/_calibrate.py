@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from fusedpc.training._table import format_rows
+
 __all__ = ["DEFAULT_TARGET", "PartCalibration", "calibrate", "format_table", "report_rows"]
 
 DEFAULT_TARGET = 1e-3
@@ -110,27 +112,20 @@ def calibrate(
 
 
 def format_table(table: list[PartCalibration], target: float = DEFAULT_TARGET) -> str:
-    """The calibration as a fixed-width text table, one part a line."""
-    header = ("part", "sizes", "median ratio", "rate x", "reason")
-    lines = [
-        (
-            c.part,
-            "x".join(str(s) for s in c.layer_sizes) or "-",
-            f"{c.median_ratio:.3g}",
-            "-" if c.multiplier is None else f"{c.multiplier:.3g}",
-            c.reason,
-        )
+    """The calibration as a fixed-width text table, one part a line (`format_rows`)."""
+    rows = [
+        {
+            "part": c.part,
+            "sizes": "x".join(str(s) for s in c.layer_sizes) or "-",
+            "median ratio": f"{c.median_ratio:.3g}",
+            "rate x": None if c.multiplier is None else f"{c.multiplier:.3g}",
+            "reason": c.reason,
+        }
         for c in table
     ]
-    widths = [max(len(str(x)) for x in column) for column in zip(header, *lines, strict=True)]
-
-    def fmt(cells):
-        head = "  ".join(f"{str(x):<{w}}" for x, w in zip(cells[:-1], widths, strict=False))
-        return f"{head}  {cells[-1]}"
-
-    rule = "-" * (sum(widths[:-1]) + 2 * (len(widths) - 1) + widths[-1])
     title = (
         f"calibration: median update/weight ratio per step, and the rate multiplier that "
         f"brings it to the target {target:g}"
     )
-    return "\n".join([title, rule, fmt(header), rule, *(fmt(line) for line in lines), rule])
+    columns = [(name, name) for name in ("part", "sizes", "median ratio", "rate x", "reason")]
+    return format_rows(rows, columns, title=title)

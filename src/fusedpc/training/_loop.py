@@ -47,6 +47,7 @@ from fusedpc.training._log import LOG_NAME, RunLog, read_log
 from fusedpc.training._progress import Progress, format_duration
 from fusedpc.training._runtime import StopRequest, join_processes
 from fusedpc.training._setup import build_pipeline, call_size, load_tokens, make_mesh
+from fusedpc.training._table import format_rows
 from fusedpc.transformer._generate import generate
 
 
@@ -105,11 +106,9 @@ class TrainResult:
 
 
 def format_summary(result: TrainResult) -> str:
-    rows = result.summary_rows()
-    width = max(len(label) for label, _ in rows)
-    rule = "-" * (width + 2 + max(len(v) for _, v in rows))
-    body = [f"{label:<{width}}  {value}" for label, value in rows]
-    return "\n".join([rule, *body, rule])
+    """The end-of-run table of `result.summary_rows()`, framed by rules (`format_rows`)."""
+    rows = [{"label": label, "value": value} for label, value in result.summary_rows()]
+    return format_rows(rows, [("label",), ("value",)], header=False)
 
 
 class _Session:
