@@ -17,3 +17,4 @@ from fusedpc.training._runtime import emulate_cpu_devices as emulate_cpu_devices
 from fusedpc.training._setup import load_run as load_run
 from fusedpc.training._table import Column as Column
 from fusedpc.training._table import format_rows as format_rows
+from fusedpc.training.data import Tokenizer as Tokenizer

@@ -114,7 +114,7 @@ def format_summary(result: TrainResult) -> str:
 class _Session:
     """One `train` call: the pipeline, the data streams, the log and the clock."""
 
-    def __init__(self, config, out, resume_from, stream, interactive):
+    def __init__(self, config, out, resume_from, stream, interactive, tokenizer):
         self.config = config
         self.leader = jax.process_index() == 0
         self.processes = jax.process_count()
@@ -131,7 +131,7 @@ class _Session:
             if not isinstance(metadata, dict) or "tokenizer" not in metadata:
                 raise ValueError(f"{str(checkpoint)!r} was not written by fusedpc train.")
         text, self.tokenizer, train_ids, self.val_ids = load_tokens(
-            config, metadata.get("tokenizer")
+            config, metadata.get("tokenizer"), tokenizer
         )
         self.text_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()
         if metadata and metadata.get("text_sha256") != self.text_hash:
@@ -320,8 +320,13 @@ def train(
     stream: TextIO | None = None,
     interactive: bool | None = None,
     callback: Callable[[int, float], bool | None] | None = None,
+    tokenizer: data.Tokenizer | None = None,
 ) -> TrainResult:
     """Train (or continue) a run; see the module docstring for the files it writes.
+
+    The first Ctrl-C (or a `KeyboardInterrupt` raised by `callback`) stops after the current
+    call, then saves the checkpoint and writes every file; `TrainResult.interrupted` is then
+    True. A second Ctrl-C aborts at once without saving (the last checkpoint stays intact).
 
     Args:
         config: the run's settings (`resolve_config` / `resume_config` make one).
@@ -331,15 +336,17 @@ def train(
         interactive: force the in-place progress line on or off (default: `stream.isatty()`).
         callback: called after every compiled call with `(step, last loss)`; returning True
             stops the run as Ctrl-C would (checkpoint and files written).
+        tokenizer: a tokeniser of your own (any object with `encode`, `decode`, `vocab_size`
+            and `to_dict`: `fusedpc.training.data.Tokenizer`) instead of the one
+            `config.tokenizer` names; give it again to resume such a run.
 
-    The first Ctrl-C (or a `KeyboardInterrupt` raised by `callback`) stops after the current
-    call, then saves the checkpoint and writes every file; `TrainResult.interrupted` is then
-    True. A second Ctrl-C aborts at once without saving (the last checkpoint stays intact).
+    Returns:
+        The `TrainResult`: final figures, the live pipeline and the files written.
     """
     config.validate()
     if config.distributed:
         join_processes()
-    session = _Session(config, out, resume_from, stream, interactive)
+    session = _Session(config, out, resume_from, stream, interactive, tokenizer)
     if session.step == 0:
         session.evaluate()  # the untrained model: the first point of the validation curve
     stop = StopRequest(

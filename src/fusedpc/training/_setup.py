@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
+import numpy as np
 
 from fusedpc.execution._checkpoint import read_checkpoint_manifest
 from fusedpc.execution._pipeline import FusedPipeline
@@ -20,17 +22,68 @@ def config_optimiser(config: TrainConfig, scale: float = 1.0):
     return make_optimiser(config.optimiser, config.lr * scale, config.weight_decay)
 
 
-def load_tokens(config: TrainConfig, tokenizer: dict | None = None):
-    """`(text, tokenizer, train_ids, val_ids)` for `config`; `tokenizer` (a `to_dict`) when
-    resuming, so that the vocabulary is the one the model was built with."""
-    text = data.load_text(config.text)
+def resolve_tokenizer(
+    config: TrainConfig,
+    text: str,
+    saved: dict[str, Any] | None = None,
+    tokenizer: data.Tokenizer | None = None,
+) -> data.Tokenizer:
+    """The run's tokeniser: `tokenizer` if given, else the one `saved` describes (a
+    checkpoint's `to_dict`), else the one `config.tokenizer` names, built for `text`.
+
+    Any object with `encode`, `decode`, `vocab_size` and `to_dict` will do
+    (`fusedpc.training.data.Tokenizer`). When resuming (`saved` given) a `tokenizer` must
+    describe itself as the checkpoint does: `tokenizer.to_dict() == saved`. A description of
+    a kind other than the built-in ones can only be matched by giving the tokeniser again.
+    """
     if tokenizer is not None:
-        tok = data.tokenizer_from_dict(tokenizer)
-    elif config.tokenizer == "char":
-        tok = data.CharTokenizer.from_text(text)
-    else:
-        tok = data.ByteTokenizer()
-    ids = tok.encode(text)
+        data.check_tokenizer(tokenizer)
+        if saved is not None and tokenizer.to_dict() != saved:
+            raise ValueError(
+                f"tokenizer: the run was trained with the tokeniser {saved!r}, got one whose "
+                f"to_dict() is {tokenizer.to_dict()!r}; resume with the same tokeniser."
+            )
+        return tokenizer
+    if saved is not None:
+        try:
+            return data.tokenizer_from_dict(saved)
+        except ValueError as err:
+            raise ValueError(
+                f"{err}; the run was trained with a tokeniser of your own: pass it again "
+                "(train(..., tokenizer=...) or load_run(..., tokenizer=...))."
+            ) from None
+    if config.tokenizer == "char":
+        return data.CharTokenizer.from_text(text)
+    return data.ByteTokenizer()
+
+
+def encode_text(tokenizer: data.Tokenizer, text: str) -> np.ndarray:
+    """`tokenizer.encode(text)` checked: 1-D integers in `[0, tokenizer.vocab_size)`."""
+    ids = np.asarray(tokenizer.encode(text))
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(
+            f"tokenizer.encode: expected a 1-D array of integer token ids, got shape "
+            f"{ids.shape} and dtype {ids.dtype}."
+        )
+    if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+        raise ValueError(
+            f"tokenizer.encode: token ids must lie in [0, vocab_size={tokenizer.vocab_size}), "
+            f"got values from {ids.min()} to {ids.max()}."
+        )
+    return ids
+
+
+def load_tokens(
+    config: TrainConfig,
+    saved: dict[str, Any] | None = None,
+    tokenizer: data.Tokenizer | None = None,
+):
+    """`(text, tokenizer, train_ids, val_ids)` for `config`; `saved` (a checkpoint's
+    `to_dict`) when resuming, so that the vocabulary is the one the model was built with;
+    `tokenizer` to use a tokeniser of your own (see `resolve_tokenizer`)."""
+    text = data.load_text(config.text)
+    tok = resolve_tokenizer(config, text, saved, tokenizer)
+    ids = encode_text(tok, text)
     train_ids, val_ids = data.split(ids, config.validation_fraction)
     for name, part in (("training", train_ids), ("validation", val_ids)):
         if len(part) < config.seq + 1:
@@ -61,12 +114,21 @@ def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
     return FusedPipeline(part, gpt.error_fn, key=jax.random.key(config.seed), mesh=mesh)
 
 
-def load_run(run_dir: str | os.PathLike):
-    """`(pipeline, tokenizer, config, metadata)` of the run saved in `run_dir`."""
+def load_run(run_dir: str | os.PathLike, *, tokenizer: data.Tokenizer | None = None):
+    """The run saved in `run_dir`.
+
+    Args:
+        run_dir: a folder `fusedpc train` wrote (its `config.toml` and `checkpoint.fpc`).
+        tokenizer: the tokeniser the run was trained with, when it is one of your own (a
+            built-in one is rebuilt from the checkpoint).
+
+    Returns:
+        `(pipeline, tokenizer, config, metadata)`.
+    """
     config = resume_config(run_dir)
     path = os.path.join(os.fspath(run_dir), CHECKPOINT_NAME)
     metadata = read_checkpoint_manifest(path)["metadata"]
-    tok = data.tokenizer_from_dict(metadata["tokenizer"])
+    tok = resolve_tokenizer(config, "", metadata["tokenizer"], tokenizer)
     pipeline = build_pipeline(config, tok.vocab_size)
     pipeline.load(path)
     return pipeline, tok, config, metadata

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import os
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -26,9 +26,11 @@ __all__ = [
     "BatchIterator",
     "ByteTokenizer",
     "CharTokenizer",
+    "Tokenizer",
     "bundled_texts",
     "load_text",
     "split",
+    "check_tokenizer",
     "tokenizer_from_dict",
 ]
 
@@ -84,6 +86,57 @@ def _as_ids(ids: Any) -> np.ndarray:
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
     return arr
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What a run needs of a tokeniser; `CharTokenizer` and `ByteTokenizer` are two, and any
+    object with these four members is another (no base class to inherit).
+
+    The vocabulary is the ids $0, \\dots, V - 1$ with $V$ = `vocab_size`; the model's token
+    table and head have $V$ rows.
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        """$V$, the number of distinct token ids."""
+        ...
+
+    def encode(self, text: str) -> np.ndarray:
+        """The token ids of `text`: a 1-D integer array of length $N$, values in $[0, V)$."""
+        ...
+
+    def decode(self, ids: Any) -> str:
+        """The text of the token ids `ids` (a 1-D integer sequence in $[0, V)$)."""
+        ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable description, saved in the run's checkpoint."""
+        ...
+
+
+def check_tokenizer(tokenizer: Any, where: str = "tokenizer") -> Tokenizer:
+    """`tokenizer` if it has what `Tokenizer` asks for, else a `TypeError` naming what it lacks.
+
+    Args:
+        tokenizer: the object to check.
+        where: the name of the argument, for the message.
+
+    Returns:
+        `tokenizer`, unchanged.
+    """
+    missing = [name for name in ("encode", "decode", "vocab_size", "to_dict")
+               if not hasattr(tokenizer, name)]
+    if missing:
+        raise TypeError(
+            f"{where}: expected a tokeniser with encode, decode, vocab_size and to_dict "
+            f"(fusedpc.training.data.Tokenizer), got {type(tokenizer).__name__} without "
+            f"{', '.join(missing)}."
+        )
+    size = tokenizer.vocab_size
+    if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+        raise TypeError(f"{where}: vocab_size must be a positive integer, got {size!r}.")
+    return tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +239,11 @@ class ByteTokenizer:
 
 
 def tokenizer_from_dict(d: dict[str, Any]) -> CharTokenizer | ByteTokenizer:
-    """Rebuild either tokeniser from its `to_dict` description (dispatching on ``kind``)."""
+    """Rebuild a built-in tokeniser from its `to_dict` description (dispatching on ``kind``).
+
+    A tokeniser of your own is not rebuilt from its description: give it again (e.g.
+    `train(..., tokenizer=mine)` when resuming, `load_run(folder, tokenizer=mine)`).
+    """
     kinds = {"char": CharTokenizer, "byte": ByteTokenizer}
     kind = d.get("kind")
     if kind not in kinds:
