@@ -12,6 +12,7 @@ from fusedpc.core._checks import check_ids as check_ids
 from fusedpc.core._checks import check_part as check_part
 from fusedpc.core._checks import expect_last_axis as expect_last_axis
 from fusedpc.core._checks import expect_rank as expect_rank
+from fusedpc.core._metrics import AbstractMetrics as AbstractMetrics
 from fusedpc.core._metrics import FiniteFlag as FiniteFlag
 from fusedpc.core._metrics import Named as Named
 from fusedpc.core._metrics import PartMetrics as PartMetrics
@@ -24,7 +25,11 @@ from fusedpc.core._metrics import report_rows as report_rows
 from fusedpc.core._metrics import tree_norm as tree_norm
 from fusedpc.core._part import AbstractPart as AbstractPart
 from fusedpc.core._part import Core as Core
+from fusedpc.core._part import ExportRecord as ExportRecord
+from fusedpc.core._part import LayerNormParams as LayerNormParams
+from fusedpc.core._part import LinearParams as LinearParams
 from fusedpc.core._part import PyTree as PyTree
+from fusedpc.core._part import TableParams as TableParams
 from fusedpc.core._part import display_path as display_path
 from fusedpc.core._part import join_path as join_path
 from fusedpc.core._part import replace_fields as replace_fields

@@ -1,22 +1,73 @@
 """Metrics: the on-device pytree each part's backward returns, and the helpers that make it.
 
-A learning part reports a `PartMetrics` (norms of its update, error and weights), a frozen
-part a `FiniteFlag`, a composite a `Named` of its children and a `Repeat` a `Stacked`.
+Every node is an `AbstractMetrics` (the open protocol: `finite`, `walk`, `rows`). A learning
+part reports a `PartMetrics` (norms of its update, error and weights), a frozen part a
+`FiniteFlag`, a composite a `Named` of its children and a `Repeat` a `Stacked`; a part of your
+own may report a metrics class of its own, whose rows reach `pipeline.report()`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fusedpc.core._part import PyTree, display_path, join_path
 
 
-class PartMetrics(eqx.Module):
+class AbstractMetrics(eqx.Module):
+    """Base of what a part's backward reports: the open metrics protocol.
+
+    A metrics node is either a **leaf** (one part's report) or a **container** of other
+    nodes (a composite's children). Every node answers three questions:
+
+    * `finite` (a boolean array, on the device inside the step): whether the part's update and
+      emitted error were finite. The executor reads it to name the first non-finite part.
+    * `walk(path) -> Iterator[(path, leaf)]`: the leaves under this node, in forward order,
+      with their paths. A leaf yields `(path, self)` (the default); a container yields its
+      children's leaves with their paths joined (`join_path(path, name)`).
+    * `rows(path) -> list[dict]` (host side, on values already read back): the report rows of
+      a leaf. The default is one row `{"part": path, field: value, ...}` over the leaf's own
+      fields (0-d arrays as Python scalars, others as nested lists), so a class of your own
+      with an `energy` field reports `{"part": ..., "energy": ..., "finite": ...}` without
+      further code. `PartMetrics` gives the standard learning row, `FiniteFlag` none.
+
+    Subclass it for a part of your own: declare `finite` and your fields, and return an
+    instance from `backward`; `pipeline.report()` then lists its rows in forward order.
+    """
+
+    # `finite` is declared by each subclass (a field of a leaf, a property of a container)
+    # rather than here: a field declared on this base would come first in every subclass's
+    # positional constructor.
+
+    def walk(self, path: str = "") -> Iterator[tuple[str, AbstractMetrics]]:
+        """The leaf metrics under this node with their paths, in forward order."""
+        yield path, self
+
+    def rows(self, path: str) -> list[dict[str, Any]]:
+        """This leaf's report rows (host values); the default is one row of its fields."""
+        row: dict[str, Any] = {"part": display_path(path)}
+        for field in dataclasses.fields(self):
+            row[field.name] = _host_value(getattr(self, field.name))
+        return [row]
+
+
+def _host_value(value: Any) -> Any:
+    """A report value: a 0-d array as a Python scalar, an array as nested lists."""
+    if isinstance(value, jax.Array | np.ndarray | np.generic):
+        host = np.asarray(value)
+        return host.item() if host.ndim == 0 else host.tolist()
+    if isinstance(value, tuple):
+        return [_host_value(v) for v in value]
+    return value
+
+
+class PartMetrics(AbstractMetrics):
     """What a learning part reports about one step (device arrays, read by `report()`).
 
     `update_norm` is $\\lVert \\Delta\\theta \\rVert_F$ over all its parameters, `error_norm`
@@ -30,23 +81,51 @@ class PartMetrics(eqx.Module):
     finite: jax.Array
     layer_sizes: tuple[int, ...] = eqx.field(static=True, default=())
 
+    def rows(self, path: str) -> list[dict[str, Any]]:
+        """One row: `part`, `layer_sizes`, `update_norm`, `error_norm`, `weight_norm`,
+        `update_ratio` (update / weight norm, NaN for zero weights) and `finite`."""
+        update, weight = float(self.update_norm), float(self.weight_norm)
+        return [
+            {
+                "part": display_path(path),
+                "layer_sizes": list(self.layer_sizes),
+                "update_norm": update,
+                "error_norm": float(self.error_norm),
+                "weight_norm": weight,
+                "update_ratio": update / weight if weight > 0 else float("nan"),
+                "finite": bool(self.finite),
+            }
+        ]
 
-class FiniteFlag(eqx.Module):
-    """A frozen part's only metric: whether the error it emitted is finite."""
+
+class FiniteFlag(AbstractMetrics):
+    """A frozen part's only metric: whether the error it emitted is finite (no report row)."""
 
     finite: jax.Array
 
+    def rows(self, path: str) -> list[dict[str, Any]]:
+        del path
+        return []
 
-class Named(eqx.Module):
+
+class Named(AbstractMetrics):
     """Metrics of a composite's children, in the composite's own (forward) order.
 
     A plain dict would do, except that JAX sorts dict keys when it flattens them; the report
     lists parts in forward order and finds the first non-finite part in backward order, so
-    composites return `named(child=metrics, ...)` instead.
+    composites return `named(child=metrics, ...)` instead. `finite` is every child's.
     """
 
     names: tuple[str, ...] = eqx.field(static=True)
     children: tuple[PyTree, ...]
+
+    @property
+    def finite(self) -> jax.Array:
+        return _all_flags(self)
+
+    def walk(self, path: str = "") -> Iterator[tuple[str, AbstractMetrics]]:
+        for name, child in zip(self.names, self.children):
+            yield from iter_metrics(child, join_path(path, name))
 
 
 def named(**children: PyTree) -> Named:
@@ -54,10 +133,30 @@ def named(**children: PyTree) -> Named:
     return Named(tuple(children), tuple(children.values()))
 
 
-class Stacked(eqx.Module):
-    """Metrics of N repeated blocks, stacked on a leading axis; the report names each block."""
+class Stacked(AbstractMetrics):
+    """Metrics of N repeated blocks, stacked on a leading axis; the report names each block
+    `[i]`. `finite` is every block's."""
 
     blocks: PyTree
+
+    @property
+    def finite(self) -> jax.Array:
+        return _all_flags(self)
+
+    def walk(self, path: str = "") -> Iterator[tuple[str, AbstractMetrics]]:
+        leaves = jax.tree_util.tree_leaves(self.blocks)
+        if not leaves:
+            return
+        for i in range(leaves[0].shape[0]):
+            block = jax.tree_util.tree_map(lambda a, i=i: a[i], self.blocks)
+            yield from iter_metrics(block, f"{path}[{i}]")
+
+
+def _all_flags(node: PyTree) -> jax.Array:
+    flags = [jnp.all(jnp.asarray(m.finite)) for _, m in iter_metrics(node)]
+    if not flags:
+        return jnp.array(True)
+    return jnp.stack(flags).all()
 
 
 def leaf_finite(leaf: Any) -> jax.Array:
@@ -120,21 +219,14 @@ def learning_metrics(
     )
 
 
-def iter_metrics(tree: PyTree, prefix: str = "") -> Iterator[tuple[str, PyTree]]:
-    """Walk a metrics tree in forward order, yielding `(path, PartMetrics | FiniteFlag)`."""
-    if isinstance(tree, PartMetrics | FiniteFlag):
-        yield prefix, tree
-    elif isinstance(tree, Stacked):
-        leaves = jax.tree_util.tree_leaves(tree.blocks)
-        if not leaves:
-            return
-        n = leaves[0].shape[0]
-        for i in range(n):
-            block = jax.tree_util.tree_map(lambda a, i=i: a[i], tree.blocks)
-            yield from iter_metrics(block, f"{prefix}[{i}]")
-    elif isinstance(tree, Named):
-        for name, sub in zip(tree.names, tree.children):
-            yield from iter_metrics(sub, join_path(prefix, name))
+def iter_metrics(tree: PyTree, prefix: str = "") -> Iterator[tuple[str, AbstractMetrics]]:
+    """Walk a metrics tree in forward order, yielding `(path, leaf)` for every leaf metrics.
+
+    Any `AbstractMetrics` walks itself (`walk`); plain dicts (in insertion order), lists and
+    tuples of metrics are walked as containers too; anything else (`None`) holds no metrics.
+    """
+    if isinstance(tree, AbstractMetrics):
+        yield from tree.walk(prefix)
     elif isinstance(tree, dict):
         for name, sub in tree.items():
             yield from iter_metrics(sub, join_path(prefix, str(name)))
@@ -144,25 +236,11 @@ def iter_metrics(tree: PyTree, prefix: str = "") -> Iterator[tuple[str, PyTree]]
 
 
 def report_rows(metrics: PyTree) -> list[dict[str, Any]]:
-    """One row per learning part of a metrics tree (host values, one step), in forward order.
+    """The report rows of a metrics tree (host values, one step), in forward order.
 
-    Each row: `part` (its path), `layer_sizes`, `update_norm`, `error_norm`, `weight_norm`,
-    `update_ratio` (update / weight norm) and `finite`.
+    Every leaf contributes its `rows(path)`: a learning part's `PartMetrics` one row with
+    `part` (its path), `layer_sizes`, `update_norm`, `error_norm`, `weight_norm`,
+    `update_ratio` (update / weight norm) and `finite`; a frozen part's `FiniteFlag` none; a
+    metrics class of your own its own row (`part` and its fields, unless it overrides `rows`).
     """
-    rows = []
-    for path, m in iter_metrics(metrics):
-        if not isinstance(m, PartMetrics):
-            continue
-        update, weight = float(m.update_norm), float(m.weight_norm)
-        rows.append(
-            {
-                "part": display_path(path),
-                "layer_sizes": list(m.layer_sizes),
-                "update_norm": update,
-                "error_norm": float(m.error_norm),
-                "weight_norm": weight,
-                "update_ratio": update / weight if weight > 0 else float("nan"),
-                "finite": bool(m.finite),
-            }
-        )
-    return rows
+    return [row for path, m in iter_metrics(metrics) for row in m.rows(path)]

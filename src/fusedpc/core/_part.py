@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -61,6 +62,99 @@ class AbstractPart(eqx.Module):
         vocabulary, say) override this. The default accepts everything.
         """
 
+    def children(self) -> tuple[tuple[str, AbstractPart], ...]:
+        """The direct child parts as `(name, part)` pairs, in forward order.
+
+        `name` is what `compile` joins onto its own path for that child (`"parts[1]"`,
+        `"branch"`, `"[3]"`), so `join_path(path, name)` is the child's path in errors and
+        reports. A composite overrides this together with `replace_children`; the default,
+        `()`, declares a leaf. Tools that rebuild a tree (the unfused baseline, exports) walk it
+        through these two methods only, never through field names.
+        """
+        return ()
+
+    def replace_children(self, children: Sequence[AbstractPart]) -> AbstractPart:
+        """A copy of this part with its children replaced, in the order of `children()`.
+
+        Its own configuration is kept and its `__init__` not re-run. A leaf accepts only `()`.
+        """
+        if tuple(children):
+            raise TypeError(
+                f"{type(self).__name__} declares no children (children() is empty) but was "
+                f"given {len(tuple(children))}; a composite overrides children() and "
+                "replace_children() together."
+            )
+        return self
+
+    def unrolled(self) -> AbstractPart:
+        """This part with any loop over its children written out (a `Repeat` that scans its
+        blocks returns one that unrolls them: the same state layout and results, a program
+        that grows with the number of blocks). The default returns the part itself."""
+        return self
+
+    def export_arrays(self, path: str = "") -> tuple[ExportRecord, ...]:
+        """The part's current parameters as standard records, in forward order.
+
+        Records are small named modules of arrays that another library can read without
+        knowing the part type: `fusedpc.parts.LinearParams(weight (out, in), bias (out,) |
+        None)` per affine map, `LayerNormParams(weight (D,), bias (D,))` per LayerNorm,
+        `TableParams(table (V, D))` per lookup table. Parameter-free parts return `()`;
+        a chain returns its children's records in order. `fusedpc.transformer.to_reference`
+        reads every slot through this method, so a part type of your own exports by
+        implementing it. The default raises a `TypeError` naming `path`.
+        """
+        raise TypeError(
+            f"{display_path(path)}: {type(self).__name__} cannot export its arrays; implement "
+            f"{type(self).__name__}.export_arrays(path) returning records such as "
+            "fusedpc.parts.LinearParams."
+        )
+
+
+class ExportRecord(eqx.Module):
+    """Base of the standard parameter records that `AbstractPart.export_arrays` returns.
+
+    A record is a named module of arrays with a fixed meaning (`LinearParams`,
+    `LayerNormParams`, `TableParams`); subclass it for a record of your own. Records used to
+    be dicts: `record["weight"]` still reads a field for one release, with a
+    `DeprecationWarning` (write `record.weight`).
+    """
+
+    def __getitem__(self, name: str) -> Any:
+        warnings.warn(
+            f"{type(self).__name__}[{name!r}] is deprecated: the parameters are a named module "
+            f"now; read {type(self).__name__}.{name} instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if name not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(name)
+        return getattr(self, name)
+
+
+class LinearParams(ExportRecord):
+    """An affine map $y = x W^\\top + b$ in the layout of `eqx.nn.Linear`: `weight` `(out, in)`,
+    `bias` `(out,)` or None. A frozen linear's parameters and the export record of any affine
+    map (`AbstractPart.export_arrays`)."""
+
+    weight: jax.Array
+    bias: jax.Array | None
+
+
+class LayerNormParams(ExportRecord):
+    """A LayerNorm's affine $y = \\gamma \\odot \\hat n + \\beta$: `weight` $\\gamma$ and `bias`
+    $\\beta$, each `(D,)` (None for a LayerNorm without that affine term). The parameters of the
+    learning and the frozen LayerNorm (their `eps` is static configuration of the part) and its
+    export record."""
+
+    weight: jax.Array | None
+    bias: jax.Array | None
+
+
+class TableParams(ExportRecord):
+    """A lookup table `(V, D)`, the layout of `eqx.nn.Embedding.weight`: a frozen embedding's
+    parameters and the export record of any table."""
+
+    table: jax.Array
 
 
 def join_path(path: str, name: str) -> str:
@@ -86,7 +180,3 @@ def replace_fields(module: eqx.Module, **changes: Any) -> eqx.Module:
     for f in dataclasses.fields(module):
         object.__setattr__(new, f.name, changes.get(f.name, getattr(module, f.name)))
     return new
-
-
-
-

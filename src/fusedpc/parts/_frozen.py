@@ -10,7 +10,14 @@ import jax
 
 from fusedpc.core._checks import expect_last_axis
 from fusedpc.core._metrics import FiniteFlag, all_finite
-from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, replace_fields
+from fusedpc.core._part import (
+    AbstractPart,
+    Core,
+    ExportRecord,
+    PyTree,
+    display_path,
+    replace_fields,
+)
 
 
 class FrozenState(eqx.Module):
@@ -55,6 +62,20 @@ class Frozen(AbstractPart):
         self.params = params
         self.in_width = None if in_width is None else int(in_width)
         self.name = name or getattr(forward, "__name__", "frozen")
+
+    def export_arrays(self, path: str = "") -> tuple[ExportRecord, ...]:
+        """`(params,)` when the parameters are an `ExportRecord` (a frozen linear, LayerNorm or
+        embedding), `()` without parameters; other parameters raise a `TypeError` naming
+        `path`."""
+        if self.params is None:
+            return ()
+        if isinstance(self.params, ExportRecord):
+            return (self.params,)
+        raise TypeError(
+            f"{display_path(path)}: frozen part {self.name!r} cannot export its parameters: "
+            f"they are a {type(self.params).__name__}, not an ExportRecord; hold them in a "
+            "record such as fusedpc.parts.LinearParams(weight, bias)."
+        )
 
     def init_state(self, key: jax.Array) -> FrozenState:
         del key

@@ -13,22 +13,23 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from fusedpc.core._part import LayerNormParams, LinearParams, TableParams
 from fusedpc.parts._activations import get_activation
 from fusedpc.parts._frozen import Frozen
 
 __all__ = ["activation", "embedding", "gelu", "layer_norm", "linear", "relu", "softmax", "tanh"]
 
 
-def _linear_forward(params, x):
-    y = x @ params["weight"].T
-    if params["bias"] is not None:
-        y = y + params["bias"]
+def _linear_forward(params: LinearParams, x):
+    y = x @ params.weight.T
+    if params.bias is not None:
+        y = y + params.bias
     return y, None
 
 
-def _linear_backward(params, cache, error):
+def _linear_backward(params: LinearParams, cache, error):
     del cache
-    return error @ params["weight"]
+    return error @ params.weight
 
 
 def linear(
@@ -38,6 +39,7 @@ def linear(
 
     Backward: $\\partial L/\\partial x = E W$ (the bias passes nothing back).
     Accepts an `eqx.nn.Linear` or a weight of shape `(out, in)` with an optional bias `(out,)`.
+    Its parameters are a `LinearParams(weight, bias)`, which is also what it exports.
     """
     if isinstance(linear_or_weight, eqx.nn.Linear):
         weight = linear_or_weight.weight
@@ -53,7 +55,7 @@ def linear(
     return Frozen(
         _linear_forward,
         _linear_backward,
-        {"weight": weight, "bias": bias},
+        LinearParams(weight, bias),
         in_width=weight.shape[1],
         name="linear",
     )
@@ -127,19 +129,21 @@ def softmax() -> Frozen:
     return Frozen(_softmax_forward, _softmax_backward, None, name="softmax")
 
 
-def layer_norm_forward(params, x):
+def layer_norm_forward(params: LayerNormParams, x, eps: float):
     """Per row: $m$ = mean, $s = \\sqrt{\\mathrm{var} + \\epsilon}$ (biased variance),
-    $\\hat n = (x - m)/s$, $y = \\gamma \\hat n + \\beta$. Returns `(y, (n_hat, 1/s))`."""
+    $\\hat n = (x - m)/s$, $y = \\gamma \\hat n + \\beta$ (`params.weight` $\\gamma$ and
+    `params.bias` $\\beta$, each `(D,)` or None; `eps` $\\epsilon$ a Python float).
+    Returns `(y, (n_hat, 1/s))`."""
     mean = jnp.mean(x, axis=-1, keepdims=True)
     centred = x - mean
     var = jnp.mean(centred * centred, axis=-1, keepdims=True)
-    inv_std = jax.lax.rsqrt(var + params["eps"])
+    inv_std = jax.lax.rsqrt(var + eps)
     n_hat = centred * inv_std
     y = n_hat
-    if params["weight"] is not None:
-        y = y * params["weight"]
-    if params["bias"] is not None:
-        y = y + params["bias"]
+    if params.weight is not None:
+        y = y * params.weight
+    if params.bias is not None:
+        y = y + params.bias
     return y, (n_hat, inv_std)
 
 
@@ -153,8 +157,18 @@ def layer_norm_input_error(weight, cache, error):
     return (scaled - mean_e - n_hat * mean_en) * inv_std
 
 
-def _layer_norm_backward(params, cache, error):
-    return layer_norm_input_error(params["weight"], cache, error)
+@functools.cache
+def _layer_norm_formulas(eps: float):
+    # One function pair per eps, so that equal LayerNorms have equal (static) structure and
+    # stack in a `Repeat`; eps is static configuration, not a state leaf.
+    def forward(params: LayerNormParams, x):
+        return layer_norm_forward(params, x, eps)
+
+    def backward(params: LayerNormParams, cache, error):
+        return layer_norm_input_error(params.weight, cache, error)
+
+    forward.__name__ = "layer_norm"
+    return forward, backward
 
 
 def layer_norm(
@@ -166,8 +180,9 @@ def layer_norm(
     """A LayerNorm over the last axis whose affine $(\\gamma, \\beta)$ stays fixed.
 
     From an `eqx.nn.LayerNorm` (its `weight`, `bias`, `eps`), or `layer_norm(width=D)` for
-    $\\gamma = 1, \\beta = 0$. For a LayerNorm whose affine learns, use
-    `fusedpc.transplant.from_layer_norm`.
+    $\\gamma = 1, \\beta = 0$ (no affine arrays). Its parameters are a
+    `LayerNormParams(weight, bias)`; `eps` is static (part of the formula, not of the state).
+    For a LayerNorm whose affine learns, use `fusedpc.transplant.from_layer_norm`.
     """
     if layer_norm_module is not None:
         shape = layer_norm_module.shape
@@ -175,24 +190,20 @@ def layer_norm(
         if len(shape) != 1:
             raise ValueError(f"layer_norm: only a LayerNorm over the last axis, got shape {shape}")
         width = shape[0]
-        params = {
-            "weight": layer_norm_module.weight,
-            "bias": layer_norm_module.bias,
-            "eps": jnp.asarray(layer_norm_module.eps, jnp.float32),
-        }
+        params = LayerNormParams(layer_norm_module.weight, layer_norm_module.bias)
+        eps = layer_norm_module.eps
     elif width is not None:
-        params = {"weight": None, "bias": None, "eps": jnp.asarray(eps, jnp.float32)}
+        params = LayerNormParams(None, None)
     else:
         raise TypeError("layer_norm: pass an eqx.nn.LayerNorm or width=...")
-    return Frozen(
-        layer_norm_forward, _layer_norm_backward, params, in_width=width, name="layer_norm"
-    )
+    forward, backward = _layer_norm_formulas(float(eps))
+    return Frozen(forward, backward, params, in_width=width, name="layer_norm")
 
 
-def _embedding_forward(params, ids):
+def _embedding_forward(params: TableParams, ids):
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"expected integer ids, got dtype {ids.dtype}")
-    return jnp.take(params["table"], ids, axis=0), None
+    return jnp.take(params.table, ids, axis=0), None
 
 
 def _embedding_backward(params, cache, error):
@@ -203,8 +214,8 @@ def _embedding_backward(params, cache, error):
 def embedding(embedding_or_table: eqx.nn.Embedding | jax.Array) -> Frozen:
     """A frozen lookup table: integer ids `(...)` in, rows `(..., D)` of the `(V, D)` table out.
 
-    Ids carry no error, so the backward returns `None`. For a table that learns, use
-    `fusedpc.transplant.from_embedding`.
+    Ids carry no error, so the backward returns `None`. Its parameters are a
+    `TableParams(table)`. For a table that learns, use `fusedpc.transplant.from_embedding`.
     """
     if isinstance(embedding_or_table, eqx.nn.Embedding):
         table = embedding_or_table.weight
@@ -212,4 +223,6 @@ def embedding(embedding_or_table: eqx.nn.Embedding | jax.Array) -> Frozen:
         table = jnp.asarray(embedding_or_table)
     if table.ndim != 2:
         raise ValueError(f"embedding: table must have shape (vocab, width), got {table.shape}")
-    return Frozen(_embedding_forward, _embedding_backward, {"table": table}, name="embedding")
+    return Frozen(
+        _embedding_forward, _embedding_backward, TableParams(table), name="embedding"
+    )

@@ -1,8 +1,8 @@
 """The learning parts: a predictive-coding network, embeddings and LayerNorm that learn
 locally through optax, and the local update rules they share."""
 
+from fusedpc.core._part import LayerNormParams as LayerNormParams
 from fusedpc.parts.learning._embedding import EmbeddingState as EmbeddingState
-from fusedpc.parts.learning._embedding import LayerNormParams as LayerNormParams
 from fusedpc.parts.learning._embedding import LayerNormState as LayerNormState
 from fusedpc.parts.learning._embedding import LearningEmbedding as LearningEmbedding
 from fusedpc.parts.learning._embedding import LearningLayerNorm as LearningLayerNorm

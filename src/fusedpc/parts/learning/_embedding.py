@@ -29,9 +29,22 @@ import optax
 
 from fusedpc.core._checks import check_ids, expect_last_axis
 from fusedpc.core._metrics import learning_metrics
-from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, replace_fields
+from fusedpc.core._part import (
+    AbstractPart,
+    Core,
+    LayerNormParams,
+    PyTree,
+    TableParams,
+    display_path,
+    replace_fields,
+)
 from fusedpc.parts.frozen import layer_norm_forward, layer_norm_input_error
-from fusedpc.parts.learning._local_update import optax_step, resolve_learning, synaptic_step
+from fusedpc.parts.learning._local_update import (
+    SynapticSettings,
+    optax_step,
+    resolve_learning,
+    synaptic_step,
+)
 
 
 class EmbeddingState(eqx.Module):
@@ -55,6 +68,7 @@ class LearningEmbedding(AbstractPart):
     learning_kind: str = eqx.field(static=True)
     learning_kwargs: tuple = eqx.field(static=True)
     weight_reuse: float = eqx.field(static=True)
+    synaptic: SynapticSettings | None = eqx.field(static=True)
     opt_state: PyTree
     weight_precision: jax.Array | None
 
@@ -74,8 +88,10 @@ class LearningEmbedding(AbstractPart):
             raise ValueError(
                 f"LearningEmbedding: table must have shape (vocab, width), got {table.shape}."
             )
-        resolve_learning("LearningEmbedding", optimiser, learning_kind, learning_kwargs,
-                         weight_reuse)
+        # Validated once, here (the errors name the bad setting); compile reads the result.
+        self.synaptic = resolve_learning(
+            "LearningEmbedding", optimiser, learning_kind, learning_kwargs, weight_reuse
+        )
         self.table = table
         self.optimiser = optimiser
         self.learning_kind = learning_kind
@@ -91,6 +107,11 @@ class LearningEmbedding(AbstractPart):
     def validate_input(self, x: Any, path: str) -> None:
         check_ids(x, self.vocab_size, path)
 
+    def export_arrays(self, path: str = "") -> tuple[TableParams]:
+        """`(TableParams(table),)`, the `(V, D)` table."""
+        del path
+        return (TableParams(self.table),)
+
     def init_state(self, key: jax.Array) -> EmbeddingState:
         del key
         opt_state = self.opt_state
@@ -103,10 +124,7 @@ class LearningEmbedding(AbstractPart):
 
     def compile(self, path: str) -> Core:
         vocab, width = self.table.shape
-        synaptic = resolve_learning(
-            "LearningEmbedding", self.optimiser, self.learning_kind,
-            dict(self.learning_kwargs), self.weight_reuse,
-        )
+        synaptic = self.synaptic
         k = self.weight_reuse
 
         def forward(state: EmbeddingState, ids):
@@ -145,12 +163,6 @@ class LearningEmbedding(AbstractPart):
             )
 
         return Core(forward, backward, write_back)
-
-
-
-class LayerNormParams(eqx.Module):
-    weight: jax.Array
-    bias: jax.Array
 
 
 class LayerNormState(eqx.Module):
@@ -195,6 +207,11 @@ class LearningLayerNorm(AbstractPart):
         self.optimiser = optimiser
         self.opt_state = opt_state
 
+    def export_arrays(self, path: str = "") -> tuple[LayerNormParams]:
+        """`(LayerNormParams(weight, bias),)`, the affine $(\\gamma, \\beta)$."""
+        del path
+        return (LayerNormParams(self.weight, self.bias),)
+
     def init_state(self, key: jax.Array) -> LayerNormState:
         del key
         params = LayerNormParams(self.weight, self.bias)
@@ -209,8 +226,7 @@ class LearningLayerNorm(AbstractPart):
 
         def forward(state: LayerNormState, x):
             expect_last_axis(path, x, width)
-            params = {"weight": state.params.weight, "bias": state.params.bias, "eps": eps}
-            return layer_norm_forward(params, x)
+            return layer_norm_forward(state.params, x, eps)
 
         def backward(state: LayerNormState, cache, error):
             n_hat, _ = cache

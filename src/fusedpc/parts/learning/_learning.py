@@ -39,8 +39,13 @@ import optax
 
 from fusedpc.core._checks import expect_last_axis
 from fusedpc.core._metrics import learning_metrics
-from fusedpc.core._part import AbstractPart, Core, PyTree, replace_fields
-from fusedpc.parts.learning._local_update import optax_step, resolve_learning, synaptic_step
+from fusedpc.core._part import AbstractPart, Core, LinearParams, PyTree, replace_fields
+from fusedpc.parts.learning._local_update import (
+    SynapticSettings,
+    optax_step,
+    resolve_learning,
+    synaptic_step,
+)
 from fusedpc.parts.learning._network import PCNetwork
 
 
@@ -95,6 +100,7 @@ class LearningNetwork(AbstractPart):
     time_step: float = eqx.field(static=True)
     tonic_volatility: float = eqx.field(static=True)
     weight_reuse: float = eqx.field(static=True)
+    synaptic: SynapticSettings | None = eqx.field(static=True)
     opt_state: PyTree
     weight_precision: NetworkParams | None
 
@@ -116,7 +122,10 @@ class LearningNetwork(AbstractPart):
             raise TypeError(
                 f"LearningNetwork: network must be a PCNetwork, got {type(network).__name__}."
             )
-        resolve_learning("LearningNetwork", optimiser, learning_kind, learning_kwargs, weight_reuse)
+        # Validated once, here (the errors name the bad setting); compile reads the result.
+        self.synaptic = resolve_learning(
+            "LearningNetwork", optimiser, learning_kind, learning_kwargs, weight_reuse
+        )
         if not time_step > 0:
             raise ValueError(f"LearningNetwork: time_step must be > 0, got {time_step!r}.")
         self.network = network
@@ -130,14 +139,16 @@ class LearningNetwork(AbstractPart):
         self.opt_state = opt_state
         self.weight_precision = weight_precision
 
-    @property
-    def synaptic(self):
-        return resolve_learning(
-            "LearningNetwork",
-            self.optimiser,
-            self.learning_kind,
-            dict(self.learning_kwargs),
-            self.weight_reuse,
+    def export_arrays(self, path: str = "") -> tuple[LinearParams, ...]:
+        """One `LinearParams(weights[l], biases[l])` per matrix, input side first (the
+        network's given arrays; a network drawn at `init_state` has none to export)."""
+        if self.network.weights is None:
+            raise TypeError(
+                f"{path or '<root>'}: LearningNetwork has no weights to export yet (they are "
+                "drawn when the state is initialised); export pipeline.merge() instead."
+            )
+        return tuple(
+            LinearParams(w, b) for w, b in zip(self.network.weights, self.network.biases)
         )
 
     def init_state(self, key: jax.Array) -> LearningNetworkState:
