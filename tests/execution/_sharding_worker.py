@@ -149,15 +149,13 @@ def mode_mesh() -> dict:
         sharded.step(xs[k], ts[k])
     out["step_errors"] = errors(sharded.state, single.state)
     out["state_replicated"] = replicated_over(sharded.state, 8)
-    out["counters_replicated"] = replicated_over(sharded._counters, 8)
-    placed = sharded._place_batch(xs[0])
+    out["counters_replicated"] = replicated_over(sharded.carry.counters, 8)
+    placed = sharded.place_batch(xs[0])
     out["batch_spec"] = str(placed.sharding.spec)
     out["batch_shard_shapes"] = sorted({tuple(s.data.shape) for s in placed.addressable_shards})
 
     # The compiled step (served from the cache of the calls above): reductions, no host trips.
-    text = sharded._step_jit.lower(
-        (sharded.state, sharded._counters), placed, sharded._place_batch(ts[0])
-    ).compile().as_text()
+    text = sharded.compiled_step(xs[0], ts[0]).as_text()
     ops = hlo_ops(text)
     out["hlo_all_reduce"] = ops.get("all-reduce", 0) + ops.get("all-reduce-start", 0)
     out["hlo_host_round_trips"] = host_round_trips(text)

@@ -210,9 +210,8 @@ def test_run_guards_every_inner_step():
 
 # --------------------------------------------------------------------------- memory
 def _compiled_memory(pipeline: fusedpc.FusedPipeline, x, target):
-    carry = (pipeline.state, pipeline._counters)
-    program = jax.jit(pipeline._step_program, donate_argnums=(0,))
-    return program.lower(carry, x, target).compile().memory_analysis()
+    program = jax.jit(pipeline.program.step, donate_argnums=(0,))
+    return program.lower(pipeline.carry, x, target).compile().memory_analysis()
 
 
 def _nbytes(tree) -> int:
@@ -241,7 +240,7 @@ def test_guard_keeps_no_second_copy_of_the_state():
     learning_bytes = _nbytes(guarded.state.parts[2])
     skip = _compiled_memory(guarded, x, target)
     ignore = _compiled_memory(unguarded, x, target)
-    counters = _nbytes(guarded._counters)
+    counters = _nbytes(guarded.carry.counters)
     for stats in (skip, ignore):
         assert stats.alias_size_in_bytes == state_bytes + counters, "the state must be donated"
     extra = skip.temp_size_in_bytes - ignore.temp_size_in_bytes

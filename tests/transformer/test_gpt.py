@@ -186,7 +186,7 @@ def _step_equations(n_blocks, scan=True):
     part, _ = fusedpc.build_gpt(config, optax.adam(1e-3), jax.random.key(0))
     pipeline = fusedpc.FusedPipeline(part, config.error_fn)
     ids = jnp.zeros((2, 8), jnp.int32)
-    jaxpr = jax.make_jaxpr(pipeline._one_step)((pipeline.state, pipeline._counters), ids, ids)
+    jaxpr = jax.make_jaxpr(pipeline.program.step)(pipeline.carry, ids, ids)
     return len(jaxpr.jaxpr.eqns)
 
 

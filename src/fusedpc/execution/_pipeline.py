@@ -1,85 +1,42 @@
-"""The fused executor: the whole training step of a part tree as one compiled XLA program."""
+"""The fused executor: the whole training step of a part tree as one compiled XLA program.
+
+`FusedPipeline` is the host-side wrapper of the pure step (`fusedpc.make_step`): it places
+the state and the batches (meshes), jits the step with the state donated, checks host batches
+before anything is compiled or donated, keeps the counters, raises for non-finite steps on
+request, and turns the last step's metrics into reports and checkpoints.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fusedpc.core import losses as _errors
+from fusedpc.core import losses as _losses
 from fusedpc.core._checks import check_part
-from fusedpc.core._metrics import FiniteFlag, all_finite, iter_metrics, leaf_finite, report_rows
-from fusedpc.core._part import PyTree, display_path
-from fusedpc.execution import _sharding
-
-NONFINITE_POLICIES = ("skip", "raise", "ignore")
-NORMALISATIONS = ("active", "rows")
-
-
-class Counters(eqx.Module):
-    """Step counters carried (and donated) with the state: attempted and skipped steps."""
-
-    steps: jax.Array
-    skipped: jax.Array
-
-
-class StepMetrics(eqx.Module):
-    """Everything one step reports: the loss (NaN without one), whether the step was
-    committed, the parts' metrics tree (keyed like the state tree) and `state_finite`, one
-    boolean per leaf of the step's new state (before the guard chose between new and old), so
-    that a non-finite value outside every part's update and input error (an optimiser's
-    moment estimate, say) can still be named."""
-
-    loss: jax.Array
-    committed: jax.Array
-    parts: PyTree
-    state_finite: PyTree = None
+from fusedpc.core._metrics import report_rows
+from fusedpc.core._part import PyTree
+from fusedpc.execution import _report, _sharding, _validation
+from fusedpc.execution._program import (
+    NONFINITE_POLICIES,
+    NORMALISATIONS,
+    Counters,
+    StepCarry,
+    StepMetrics,
+    StepOutput,
+    StepProgram,
+    copy_tree,
+    make_step,
+    normalise_active,
+    scan_steps,
+)
 
 
 class NonFiniteStepError(FloatingPointError):
     """Raised (policy `"raise"`) when a step produced NaN or infinity; names the part."""
-
-
-def copy_tree(tree: PyTree) -> PyTree:
-    """A fresh copy of every array leaf (so donation of the original never reaches it)."""
-    return jax.tree_util.tree_map(
-        lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array | np.ndarray) else a, tree
-    )
-
-
-def _check_array(value: Any, name: str) -> None:
-    """Refuse non-arrays (lists, tuples, scalars) at the boundary with an error naming them."""
-    if not isinstance(value, jax.Array | np.ndarray):
-        raise TypeError(
-            f"{name}: expected an array (numpy or jax), got {type(value).__name__}; convert it "
-            f"with np.asarray({name})."
-        )
-
-
-def _check_non_empty(value: Any, name: str) -> None:
-    """Refuse a batch with no rows: rank 0, or any axis of length 0."""
-    shape = tuple(np.shape(value))
-    if not shape or 0 in shape:
-        raise ValueError(
-            f"{name}: expected a non-empty batch, got shape {shape}. Every axis (steps, rows, "
-            "sequence, features) must have length >= 1."
-        )
-
-
-def normalise_active(error: jax.Array) -> jax.Array:
-    """Scale $E$ by rows / active rows; a row is active when any entry is non-zero.
-
-    $E \\leftarrow E \\cdot R / \\max(A, 1)$, with $R$ rows (all leading axes flattened) and $A$ the
-    rows with a non-zero entry. Rows of zero error are padding: the row means that every part
-    takes then average over the real rows only.
-    """
-    rows = error.reshape(-1, error.shape[-1])
-    active = jnp.sum(jnp.any(rows != 0, axis=-1).astype(error.dtype))
-    return error * (rows.shape[0] / jnp.maximum(active, 1.0))
 
 
 class FusedPipeline:
@@ -114,7 +71,7 @@ class FusedPipeline:
     def __init__(
         self,
         tree: Any,
-        error_fn: _errors.ErrorFunction | str | Callable | None = None,
+        error_fn: _losses.ErrorFunction | str | Callable | None = None,
         error_normalisation: str = "active",
         *,
         key: jax.Array | None = None,
@@ -124,17 +81,11 @@ class FusedPipeline:
         check_device_ids: bool = False,
     ):
         check_part(tree, "FusedPipeline(tree)")
-        if error_normalisation not in NORMALISATIONS:
-            raise ValueError(
-                f"error_normalisation: expected one of {NORMALISATIONS}, got "
-                f"{error_normalisation!r}."
-            )
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"nonfinite: expected one of {NONFINITE_POLICIES}, got {nonfinite!r}."
-            )
         self.tree = tree
-        self.error_fn = _errors.resolve(error_fn)
+        self.program: StepProgram = make_step(
+            tree, error_fn, error_normalisation, nonfinite=nonfinite
+        )
+        self.error_fn = self.program.error_fn
         self.error_normalisation = error_normalisation
         self.nonfinite = nonfinite
         self.mesh = _sharding.resolve_mesh(mesh)
@@ -142,25 +93,20 @@ class FusedPipeline:
         if state_sharding is not None and self.mesh is None:
             raise ValueError("state_sharding: needs a mesh; pass mesh=fusedpc.data_mesh(...).")
         self.check_device_ids = bool(check_device_ids)
-        self._core = tree.compile("")
         key = jax.random.key(0) if key is None else key
-        # Copy once: the part objects' own arrays must survive the first donated step.
-        self._state = self._place_state(copy_tree(tree.init_state(key)))
-        self._counters = self._place_state(
-            Counters(steps=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
-        )
+        # init copies: the part objects' own arrays must survive the first donated step.
+        self._carry = self._place_carry(self.program.init(key))
         self._last: StepMetrics | None = None
         self._pending: StepMetrics | None = None
-        self._checked: dict = {}  # batch signature -> output shape, checked once
+        self._outputs: dict = {}  # batch signature -> the output's shape, from the one trace
+        self._traced_output: jax.ShapeDtypeStruct | None = None
         self.trace_counts = {"step": 0, "run": 0, "predict": 0}
         # With a mesh, pin the carry's shardings (the state leaves as placed) so that the
         # donated buffers come back in place; outputs and metrics are left to propagation.
         pinned = {}
         if self.mesh is not None:
-            carry = jax.tree_util.tree_map(
-                lambda a: a.sharding, (self._state, self._counters)
-            )
-            pinned = {"out_shardings": (carry, None, None, None)}
+            carry = jax.tree_util.tree_map(lambda a: a.sharding, self._carry)
+            pinned = {"out_shardings": (carry, None)}
         self._step_jit = jax.jit(self._step_program, donate_argnums=(0,), **pinned)
         self._run_jit = jax.jit(
             self._run_program, donate_argnums=(0,), static_argnames=("keep_outputs",), **pinned
@@ -168,13 +114,22 @@ class FusedPipeline:
         self._predict_jit = jax.jit(self._predict_program)
 
     # ------------------------------------------------------------------ placement
-    def _place_state(self, tree: PyTree) -> PyTree:
+    def _place_carry(self, carry: StepCarry) -> StepCarry:
         if self.mesh is None:
-            return tree
-        rule = None if isinstance(tree, Counters) else self.state_sharding
-        return jax.device_put(tree, _sharding.state_shardings(tree, self.mesh, rule))
+            return carry
+        return StepCarry(
+            state=jax.device_put(
+                carry.state,
+                _sharding.state_shardings(carry.state, self.mesh, self.state_sharding),
+            ),
+            counters=jax.device_put(
+                carry.counters, _sharding.state_shardings(carry.counters, self.mesh, None)
+            ),
+        )
 
-    def _place_batch(self, x: Any, axis: int = 0) -> Any:
+    def place_batch(self, x: Any, axis: int = 0) -> Any:
+        """`x` placed as the step expects it: sharded over the mesh's data axis along `axis`
+        (rows; axis 1 for `run`'s stacked batches), or unchanged without a mesh."""
         if self.mesh is None:
             return x
         if not isinstance(x, jax.Array):
@@ -183,56 +138,25 @@ class FusedPipeline:
         return jax.device_put(x, _sharding.batch_sharding(self.mesh, x.ndim, axis))
 
     # ------------------------------------------------------------------ programs
-    def _one_step(self, carry, x, target):
-        state, counters = carry
-        y, cache = self._core.forward(state, x)
-        error = self.error_fn.error(y, target)
-        if self.error_normalisation == "active":
-            error = normalise_active(error)
-        input_error, new_state, part_metrics = self._core.backward(state, cache, error)
-        if self.error_fn.loss is None:
-            loss = jnp.full((), jnp.nan, jnp.float32)
-        else:
-            loss = self.error_fn.loss(y, target).astype(jnp.float32)
-        # One flag per state leaf (kept in the metrics to name a bad leaf), then one for all.
-        state_finite = jax.tree_util.tree_map(leaf_finite, new_state)
-        finite = jnp.stack(
-            [*jax.tree_util.tree_leaves(state_finite), all_finite((y, input_error))]
-        ).all()
-        if self.nonfinite == "ignore":
-            committed = jnp.array(True)
-        else:
-            committed = finite
-            new_state = jax.tree_util.tree_map(
-                lambda n, o: jnp.where(committed, n, o), new_state, state
-            )
-        counters = Counters(
-            steps=counters.steps + 1,
-            skipped=counters.skipped + (~committed).astype(jnp.int32),
-        )
-        metrics = StepMetrics(
-            loss=loss, committed=committed, parts=part_metrics, state_finite=state_finite
-        )
-        return (new_state, counters), y, input_error, metrics
+    def _recording_step(self, carry: StepCarry, x: Any, target: Any):
+        carry, out = self.program.step(carry, x, target)
+        self._traced_output = jax.ShapeDtypeStruct(jnp.shape(out.output), out.output.dtype)
+        return carry, out
 
     def _step_program(self, carry, x, target):
-        self.trace_counts["step"] += 1
-        return self._one_step(carry, x, target)
+        result = self._recording_step(carry, x, target)
+        self.trace_counts["step"] += 1  # counted once the trace succeeded
+        return result
 
     def _run_program(self, carry, xs, targets, keep_outputs=True):
+        result = scan_steps(self._recording_step, carry, xs, targets, keep_outputs)
         self.trace_counts["run"] += 1
-
-        def body(c, batch):
-            c, y, e, m = self._one_step(c, *batch)
-            return c, ((y, e) if keep_outputs else None, m)
-
-        carry, (outs, metrics) = jax.lax.scan(body, carry, (xs, targets))
-        ys, es = outs if keep_outputs else (None, None)
-        return carry, ys, es, metrics
+        return result
 
     def _predict_program(self, state, x):
+        result = self.program.predict(state, x)
         self.trace_counts["predict"] += 1
-        return self._core.forward(state, x)[0]
+        return result
 
     # ------------------------------------------------------------------ checks
     def _check_pending(self) -> None:
@@ -245,91 +169,67 @@ class FusedPipeline:
             bad = int(np.argmin(committed))
             raise NonFiniteStepError(
                 f"step {bad} of the last call produced a non-finite value first in part "
-                f"{self._first_nonfinite(pending, bad)!r}; the state was kept as it was before "
-                "that step. Lower that part's learning rate or check its inputs."
+                f"{_report.first_nonfinite(pending, bad)!r}; the state was kept as it was "
+                "before that step. Lower that part's learning rate or check its inputs."
             )
 
     def check(self, x: Any, target: Any) -> jax.ShapeDtypeStruct:
-        """Check the tree against a batch with `jax.eval_shape` (nothing is compiled or run).
+        """Check the tree against a batch by tracing the step (nothing is compiled or run).
 
         Raises an error naming the part path, the expected and the actual shape, on width or
-        rank mismatches; returns the output's shape and dtype.
+        rank mismatches; returns the output's shape and dtype. The trace is the one the
+        compiled step needs: a `step` with this batch's shapes does not trace again.
         """
         x_shape = jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
         t_shape = jax.ShapeDtypeStruct(jnp.shape(target), jnp.result_type(target))
-        out = jax.eval_shape(self._one_step, (self._state, self._counters), x_shape, t_shape)
-        return out[1]
+        self._traced_output = None
+        self._step_jit.trace(self._carry, x_shape, t_shape)
+        if self._traced_output is None:  # traced before by this pipeline: read the cache
+            return self._outputs[_validation.signature(x, target, False)]
+        self._outputs[_validation.signature(x, target, False)] = self._traced_output
+        return self._traced_output
 
     def _validate_values(self, x: Any) -> None:
         if isinstance(x, jax.Array) and not self.check_device_ids:
             x = jax.ShapeDtypeStruct(x.shape, x.dtype)
         self.tree.validate_input(x, "")
 
-    def _validate_target_ids(self, target: Any, width: int, name: str) -> None:
-        """Integer targets of a cross-entropy are class ids: they must lie in `[0, width)`.
-
-        Out-of-range ids would otherwise become all-zero one-hot rows without a word. Host
-        arrays are checked always, device arrays only with `check_device_ids` (as inputs)."""
-        if not self.error_fn.class_ids:
-            return
-        if not jnp.issubdtype(jnp.result_type(target), jnp.integer):
-            return
-        if isinstance(target, jax.Array) and not self.check_device_ids:
-            return
-        low, high = int(target.min()), int(target.max())
-        if low < 0 or high >= width:
-            raise ValueError(
-                f"{name}: class ids must lie in [0, {width}) (the output's last axis, for "
-                f"error_fn {self.error_fn.name!r}), got {low if low < 0 else high}."
-            )
-
     def _validate(self, x: Any, target: Any, batched: bool) -> None:
+        """Host checks that need no trace (arrays, rows, values), then rank."""
         x_name, t_name = ("xs", "targets") if batched else ("x", "target")
-        _check_array(x, x_name)
-        _check_array(target, t_name)
-        _check_non_empty(x, x_name)
+        _validation.check_array(x, x_name)
+        _validation.check_array(target, t_name)
+        _validation.check_non_empty(x, x_name)
         self._validate_values(x)  # the tree's own checks first: they say more
-        min_rank = 3 if batched else 2
-        if np.ndim(x) < min_rank:
-            layout = "(steps, rows, ...)" if batched else "(rows, ...)"
-            raise ValueError(
-                f"{x_name}: expected a batch of shape {layout} (rank >= {min_rank}: a row axis "
-                f"before the features), got shape {tuple(np.shape(x))}; add a leading axis "
-                f"with x[None] for a single row."
-            )
-        signature = (
-            batched,
-            tuple(jnp.shape(x)),
-            str(jnp.result_type(x)),
-            tuple(jnp.shape(target)),
-            str(jnp.result_type(target)),
-        )
-        if signature not in self._checked:
-            if batched:
-                if jnp.shape(x)[0] != jnp.shape(target)[0]:
-                    raise ValueError(
-                        f"run: xs and targets must have the same number of steps on axis 0, "
-                        f"got {jnp.shape(x)[0]} and {jnp.shape(target)[0]}."
-                    )
-                out = self.check(x[0], target[0])
-            else:
-                out = self.check(x, target)
-            self._checked[signature] = out
-        out = self._checked[signature]
-        self._validate_target_ids(target, out.shape[-1], t_name)
+        _validation.check_batch_rank(x, x_name, batched)
+        if batched:
+            _validation.check_same_steps(x, target)
+
+    def _traced(self, jitted, signature: tuple, *args, **kwargs) -> jax.ShapeDtypeStruct:
+        """The output shape for a batch signature, tracing the program once when new.
+
+        The trace raises the parts' shape errors (naming their paths) before anything is
+        compiled or donated; the call that follows reuses it (JAX caches traces)."""
+        if signature not in self._outputs:
+            self._traced_output = None
+            jitted.trace(*args, **kwargs)
+            self._outputs[signature] = self._traced_output
+        return self._outputs[signature]
 
     # ------------------------------------------------------------------ public API
     def step(self, x: Any, target: Any) -> tuple[jax.Array, Any]:
         """One training step, one compiled call. Returns `(output, input_error)`."""
         self._check_pending()
         self._validate(x, target, batched=False)
-        carry, y, input_error, metrics = self._step_jit(
-            (self._state, self._counters), self._place_batch(x), self._place_batch(target)
+        x, target_placed = self.place_batch(x), self.place_batch(target)
+        signature = _validation.signature(x, target, batched=False)
+        out = self._traced(self._step_jit, signature, self._carry, x, target_placed)
+        _validation.check_class_ids(
+            self.error_fn, target, out.shape[-1], "target", self.check_device_ids
         )
-        self._state, self._counters = carry
-        self._last = metrics
-        self._pending = metrics
-        return y, input_error
+        self._carry, result = self._step_jit(self._carry, x, target_placed)
+        self._last = self._pending = result.metrics
+        return result.output, result.input_error
 
     def run(
         self, xs: Any, targets: Any, *, keep_outputs: bool = True
@@ -342,38 +242,55 @@ class FusedPipeline:
         """
         self._check_pending()
         self._validate(xs, targets, batched=True)
-        carry, ys, es, metrics = self._run_jit(
-            (self._state, self._counters),
-            self._place_batch(xs, axis=1),
-            self._place_batch(targets, axis=1),
-            keep_outputs=keep_outputs,
+        xs, targets_placed = self.place_batch(xs, axis=1), self.place_batch(targets, axis=1)
+        signature = (*_validation.signature(xs, targets, batched=True), keep_outputs)
+        out = self._traced(
+            self._run_jit, signature, self._carry, xs, targets_placed, keep_outputs=keep_outputs
         )
-        self._state, self._counters = carry
-        self._last = metrics
-        self._pending = metrics
-        return ys, es, metrics
+        _validation.check_class_ids(
+            self.error_fn, targets, out.shape[-1], "targets", self.check_device_ids
+        )
+        self._carry, result = self._run_jit(
+            self._carry, xs, targets_placed, keep_outputs=keep_outputs
+        )
+        self._last = self._pending = result.metrics
+        return result.output, result.input_error, result.metrics
+
+    def compiled_step(self, x: Any, target: Any) -> jax.stages.Compiled:
+        """The compiled step program for this batch's shapes, as `step` runs it (state
+        donated, shardings pinned): for `memory_analysis()`, `cost_analysis()` or
+        `as_text()`. Runs nothing; served from the compilation cache after a `step`."""
+        self._validate(x, target, batched=False)
+        x, target = self.place_batch(x), self.place_batch(target)
+        return self._step_jit.lower(self._carry, x, target).compile()
 
     def predict(self, x: Any) -> jax.Array:
         """Forward only; never donates and leaves the state untouched."""
-        _check_array(x, "x")
-        _check_non_empty(x, "x")
+        _validation.check_array(x, "x")
+        _validation.check_non_empty(x, "x")
         self._validate_values(x)
-        return self._predict_jit(self._state, self._place_batch(x))
+        return self._predict_jit(self._carry.state, self.place_batch(x))
+
+    @property
+    def carry(self) -> StepCarry:
+        """The current carry (state and counters) as `program.step` takes it: live buffers,
+        donated (hence dead) at the next step."""
+        return self._carry
 
     @property
     def state(self) -> PyTree:
         """The current state pytree (live buffers: donated, hence dead, at the next step)."""
-        return self._state
+        return self._carry.state
 
     @property
     def steps(self) -> int:
         """Steps attempted so far (committed or skipped)."""
-        return int(self._counters.steps)
+        return int(self._carry.counters.steps)
 
     @property
     def skipped_steps(self) -> int:
         """Steps not committed because they produced a non-finite value."""
-        return int(self._counters.skipped)
+        return int(self._carry.counters.skipped)
 
     @property
     def last_loss(self) -> float | None:
@@ -389,12 +306,13 @@ class FusedPipeline:
 
     def merge(self) -> Any:
         """The tree with the current state written back, holding copies (safe to keep)."""
-        return self._core.write_back(copy_tree(self._state))
+        return self.program.write_back(copy_tree(self._carry.state))
 
     def set_state(self, state: PyTree, steps: int = 0, skipped: int = 0) -> None:
         """Replace the state (e.g. from a checkpoint); its structure, shapes and dtypes must
         match the current one exactly."""
-        expected = jax.tree_util.tree_structure(self._state)
+        current = self._carry.state
+        expected = jax.tree_util.tree_structure(current)
         actual = jax.tree_util.tree_structure(state)
         if expected != actual:
             raise ValueError(
@@ -402,7 +320,7 @@ class FusedPipeline:
                 f"expected: {expected}\nactual:   {actual}"
             )
         for (path, old), new in zip(
-            jax.tree_util.tree_leaves_with_path(self._state), jax.tree_util.tree_leaves(state)
+            jax.tree_util.tree_leaves_with_path(current), jax.tree_util.tree_leaves(state)
         ):
             if jnp.shape(old) != jnp.shape(new) or jnp.result_type(old) != jnp.result_type(new):
                 raise ValueError(
@@ -410,12 +328,10 @@ class FusedPipeline:
                     f"{jnp.result_type(old)}{list(jnp.shape(old))}, got "
                     f"{jnp.result_type(new)}{list(jnp.shape(new))}."
                 )
-        self._state = self._place_state(copy_tree(state))
-        self._counters = self._place_state(
-            Counters(
-                steps=jnp.asarray(steps, jnp.int32), skipped=jnp.asarray(skipped, jnp.int32)
-            )
+        counters = Counters(
+            steps=jnp.asarray(steps, jnp.int32), skipped=jnp.asarray(skipped, jnp.int32)
         )
+        self._carry = self._place_carry(StepCarry(copy_tree(state), counters))
         self._last = None
         self._pending = None
 
@@ -434,39 +350,6 @@ class FusedPipeline:
         return load_checkpoint(self, path)
 
     # ------------------------------------------------------------------ reports
-    @staticmethod
-    def _select_step(metrics: StepMetrics, index: int) -> StepMetrics:
-        if np.ndim(metrics.committed) == 0:
-            return metrics
-        return jax.tree_util.tree_map(lambda a: a[index], metrics)
-
-    def _first_nonfinite(self, metrics: StepMetrics, index: int = -1) -> str | None:
-        """The first part, in backward order, whose update or emitted error was non-finite.
-
-        When no part flagged its update or error (an optimiser's moment estimate overflowed,
-        say), the last non-finite state leaf in tree order, by its key path
-        (`"parts[0].opt_state[0].nu.weights[1]"`, which starts with the part's path); when no
-        leaf either, and the step was not committed, `"<root>"` (the tree's output or input
-        error)."""
-        chosen = self._select_step(metrics, index)
-        bad = [
-            path
-            for path, m in iter_metrics(chosen.parts)
-            if not bool(np.asarray(m.finite))
-        ]
-        if bad:
-            return display_path(bad[-1])
-        leaves = [
-            path
-            for path, ok in jax.tree_util.tree_leaves_with_path(chosen.state_finite)
-            if not bool(np.asarray(ok))
-        ]
-        if leaves:
-            return jax.tree_util.keystr(leaves[-1]).lstrip(".")
-        if not bool(np.asarray(chosen.committed)):
-            return display_path("")
-        return None
-
     def report(self, index: int = -1) -> list[dict[str, Any]]:
         """One row per learning part for the last step (the `index`-th inner step of `run`).
 
@@ -476,7 +359,7 @@ class FusedPipeline:
         """
         if self._last is None:
             return []
-        chosen = self._select_step(jax.device_get(self._last), index)
+        chosen = _report.select_step(jax.device_get(self._last), index)
         return report_rows(chosen.parts)
 
     def nonfinite_part(self, index: int = -1) -> str | None:
@@ -484,10 +367,20 @@ class FusedPipeline:
         or None when the step was finite."""
         if self._last is None:
             return None
-        chosen = self._select_step(self._last, index)
+        chosen = _report.select_step(self._last, index)
         if bool(np.asarray(chosen.committed)) and self.nonfinite != "ignore":
             return None
-        return self._first_nonfinite(self._last, index)
+        return _report.first_nonfinite(self._last, index)
 
 
-__all__ = ["FusedPipeline", "NonFiniteStepError", "StepMetrics", "FiniteFlag"]
+__all__ = [
+    "FusedPipeline",
+    "NonFiniteStepError",
+    "StepMetrics",
+    "StepOutput",
+    # the unfused baseline imports these from here
+    "NORMALISATIONS",
+    "NONFINITE_POLICIES",
+    "copy_tree",
+    "normalise_active",
+]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def _sampler(core, max_len: int, n_new: int, probabilities: bool):
+def _sampler(predict, max_len: int, n_new: int, probabilities: bool):
     def sample(state, prompt, temperature, key):
         batch, prompt_len = prompt.shape
         window_len = min(max_len, prompt_len + n_new)
@@ -22,7 +23,7 @@ def _sampler(core, max_len: int, n_new: int, probabilities: bool):
 
         def body(i, carry):
             window, filled, key, out = carry
-            scores = core.forward(state, window)[0]
+            scores = predict(state, window)
             last = jax.lax.dynamic_index_in_dim(scores, filled - 1, axis=1, keepdims=False)
             logits = jnp.log(jnp.clip(last, 1e-30, 1.0)) if probabilities else last
             key, sub = jax.random.split(key)
@@ -46,8 +47,20 @@ def _sampler(core, max_len: int, n_new: int, probabilities: bool):
     return jax.jit(sample)
 
 
+class FusedPipelineLike(Protocol):
+    """What `generate` reads of a pipeline: its tree, its step program and its state."""
+
+    tree: Any
+    program: Any
+    state: Any
+
+
+# One compiled sampler per (program, n_new, output kind); dropped with the program.
+_SAMPLERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def generate(
-    pipeline: Any,
+    pipeline: FusedPipelineLike,
     prompt_ids: Any,
     n_new: int,
     temperature: float = 1.0,
@@ -58,7 +71,8 @@ def generate(
     Each new token is drawn from $\\mathrm{softmax}(\\text{logits}/\\tau)$ at the last position
     ($\\tau$ = `temperature`; `temperature=0` takes the argmax, greedy). The context is the last
     `max_len` tokens. The whole loop is one compiled program (`lax.fori_loop`), compiled once
-    per (prompt shape, `n_new`) and cached on the pipeline; the state is read, never donated.
+    per (prompt shape, `n_new`) and cached for the pipeline's step program; the state is read,
+    never donated.
     Returns the prompt followed by the new tokens, `(batch, prompt_len + n_new)`.
     """
     tree = pipeline.tree
@@ -79,10 +93,16 @@ def generate(
         raise ValueError(f"generate: temperature must be >= 0, got {temperature!r}.")
     tree.validate_input(prompt, "")
     probabilities = getattr(tree, "output", "logits") == "probabilities"
-    cache = pipeline.__dict__.setdefault("_samplers", {})
+    program = pipeline.program
+    cache = _SAMPLERS.setdefault(program, {})
     sample_key = (int(n_new), probabilities)
     if sample_key not in cache:
-        cache[sample_key] = _sampler(pipeline._core, max_len, int(n_new), probabilities)
+        forward = program.core.forward  # not the program itself: the cache holds it weakly
+
+        def predict(state, window):
+            return forward(state, window)[0]
+
+        cache[sample_key] = _sampler(predict, max_len, int(n_new), probabilities)
     key = jax.random.key(0) if key is None else key
     return cache[sample_key](
         pipeline.state, jnp.asarray(prompt, jnp.int32), jnp.asarray(temperature, jnp.float32),

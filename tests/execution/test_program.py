@@ -1,0 +1,156 @@
+"""The public pure step (`fusedpc.make_step`): usable inside a user's own jit, scan and vmap,
+equal to what `FusedPipeline` runs, and traced once per batch signature by the pipeline."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fusedpc
+from fusedpc import frozen
+
+
+def _tree(seed: int = 0) -> fusedpc.Sequential:
+    network = fusedpc.PCNetwork([6, 12, 3], "tanh", key=jax.random.key(seed))
+    return fusedpc.Sequential(
+        [
+            frozen.layer_norm(width=6),
+            fusedpc.LearningNetwork(network, optimiser=optax.adam(1e-2)),
+        ]
+    )
+
+
+def _batches(steps: int = 5, rows: int = 8):
+    x = jax.random.normal(jax.random.key(10), (steps, rows, 6))
+    t = jax.random.normal(jax.random.key(11), (steps, rows, 3))
+    return x, t
+
+
+def _assert_trees_equal(a, b, rtol=0.0, atol=0.0):
+    for left, right in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        if jnp.issubdtype(jnp.result_type(left), jnp.inexact):
+            np.testing.assert_allclose(np.asarray(left), np.asarray(right), rtol=rtol, atol=atol)
+        else:
+            np.testing.assert_array_equal(np.asarray(left), np.asarray(right))
+
+
+def test_step_inside_the_users_jit_equals_the_pipeline():
+    xs, ts = _batches()
+    program = fusedpc.make_step(_tree(), None)
+    step = jax.jit(program.step, donate_argnums=0)
+    carry = program.init(jax.random.key(0))
+    pipeline = fusedpc.FusedPipeline(_tree(), None, key=jax.random.key(0))
+    for k in range(xs.shape[0]):
+        carry, out = step(carry, xs[k], ts[k])
+        y, e = pipeline.step(xs[k], ts[k])
+        np.testing.assert_array_equal(np.asarray(out.output), np.asarray(y))
+        np.testing.assert_array_equal(np.asarray(out.input_error), np.asarray(e))
+    _assert_trees_equal(carry.state, pipeline.state)
+    assert int(carry.counters.steps) == pipeline.steps == xs.shape[0]
+    assert float(out.metrics.loss) == pipeline.last_loss
+
+
+def test_run_equals_a_users_scan_of_step():
+    xs, ts = _batches()
+    program = fusedpc.make_step(_tree(), None)
+    ran, outs = jax.jit(program.run)(program.init(jax.random.key(0)), xs, ts)
+
+    def body(carry, batch):
+        return program.step(carry, *batch)
+
+    scanned, outs2 = jax.jit(lambda c: jax.lax.scan(body, c, (xs, ts)))(
+        program.init(jax.random.key(0))
+    )
+    _assert_trees_equal(ran, scanned)
+    _assert_trees_equal(outs.metrics.loss, outs2.metrics.loss)
+    _, dropped = jax.jit(program.run, static_argnames="keep_outputs")(
+        program.init(jax.random.key(0)), xs, ts, keep_outputs=False
+    )
+    assert dropped.output is None and dropped.input_error is None
+    _assert_trees_equal(dropped.metrics.loss, outs.metrics.loss)
+
+
+def test_vmap_over_four_seeds_matches_four_pipelines():
+    # Four seeds (each tree's weights drawn from its own key) trained at once by one vmapped
+    # program, each on its own batches, against four separate pipelines.
+    xs, ts = _batches(steps=3)
+    keys = jax.random.split(jax.random.key(3), 4)
+    shift = jnp.arange(4.0)[:, None, None, None]
+    seeds_xs, seeds_ts = xs[None] + shift, ts[None] - shift  # (seeds, steps, rows, features)
+
+    def build(key):
+        network = fusedpc.PCNetwork([6, 12, 3], "tanh", key=key)
+        return fusedpc.Sequential(
+            [
+                frozen.layer_norm(width=6),
+                fusedpc.LearningNetwork(network, optimiser=optax.adam(1e-2)),
+            ]
+        )
+
+    carries = jax.vmap(lambda key: fusedpc.make_step(build(key)).init(key))(keys)
+    program = fusedpc.make_step(build(keys[0]))  # the functions hold no arrays: any seed's
+    step = jax.jit(jax.vmap(program.step))
+    for k in range(xs.shape[0]):
+        carries, outs = step(carries, seeds_xs[:, k], seeds_ts[:, k])
+    finals = []
+    for seed in range(4):
+        pipeline = fusedpc.FusedPipeline(build(keys[seed]), None, key=keys[seed])
+        for k in range(xs.shape[0]):
+            pipeline.step(seeds_xs[seed, k], seeds_ts[seed, k])
+        mine = jax.tree_util.tree_map(lambda a, s=seed: a[s], carries)
+        # vmap batches the matmuls (another summation order): float32 rounding only.
+        _assert_trees_equal(mine.state, pipeline.state, rtol=2e-5, atol=2e-6)
+        assert int(mine.counters.steps) == pipeline.steps
+        np.testing.assert_allclose(float(outs.metrics.loss[seed]), pipeline.last_loss, rtol=2e-5)
+        finals.append(np.asarray(jax.tree_util.tree_leaves(pipeline.state.parts[1])[0]))
+    assert not np.allclose(finals[0], finals[1])  # the seeds really differ
+
+
+def test_make_step_refuses_bad_settings_by_name():
+    with pytest.raises(ValueError, match="error_normalisation: expected one of"):
+        fusedpc.make_step(_tree(), None, "sometimes")
+    with pytest.raises(ValueError, match="nonfinite: expected one of"):
+        fusedpc.make_step(_tree(), None, nonfinite="maybe")
+    with pytest.raises(TypeError, match="make_step"):
+        fusedpc.make_step(object(), None)
+
+
+def test_pipeline_traces_each_new_signature_once():
+    xs, ts = _batches()
+    pipeline = fusedpc.FusedPipeline(_tree(), None)
+    pipeline.step(xs[0], ts[0])
+    pipeline.step(xs[1], ts[1])
+    assert pipeline.trace_counts["step"] == 1  # the shape check used the jit's own trace
+    pipeline.run(xs, ts)
+    pipeline.run(xs, ts)
+    assert pipeline.trace_counts["run"] == 1
+    pipeline.step(xs[0, :4], ts[0, :4])  # a new signature: one more trace
+    assert pipeline.trace_counts["step"] == 2
+    out = pipeline.check(xs[0, :2], ts[0, :2])
+    assert out.shape == (2, 3)
+    pipeline.step(xs[0, :2], ts[0, :2])  # checked above: the step reuses that trace
+    assert pipeline.trace_counts["step"] == 3
+
+
+def test_a_shape_error_surfaces_on_the_one_trace_before_anything_is_donated():
+    xs, ts = _batches()
+    pipeline = fusedpc.FusedPipeline(_tree(), None)
+    pipeline.step(xs[0], ts[0])
+    before = pipeline.state
+    with pytest.raises(ValueError, match=r"expected input of shape \(\.\.\., 6\)"):
+        pipeline.step(xs[0, :, :5], ts[0])
+    assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(before))
+    assert pipeline.steps == 1
+
+
+def test_compiled_step_is_the_program_the_pipeline_runs():
+    xs, ts = _batches()
+    pipeline = fusedpc.FusedPipeline(_tree(), None)
+    pipeline.step(xs[0], ts[0])
+    compiled = pipeline.compiled_step(xs[0], ts[0])
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(pipeline.carry))
+    assert compiled.memory_analysis().alias_size_in_bytes == state_bytes  # donated carry
+    assert pipeline.trace_counts["step"] == 1
