@@ -37,16 +37,18 @@ def memory_stats(compiled) -> dict[str, float] | None:
 
 
 def measure_donation(args: BenchArgs, blocks: int) -> dict[str, Any]:
-    """Compiled memory of the fused step (as the `fused` variant) with its state donated and
-    without; returns the `donation` row."""
+    """Compiled memory of the fused step (as the `fused` variant) with its carry donated and
+    without: `jax.jit(pipeline.program.step, donate_argnums=0)` against
+    `jax.jit(pipeline.program.step)`, both lowered at `pipeline.carry`; returns the
+    `donation` row."""
     import jax
 
     setup = Setup(args, blocks)
     pipeline = setup.pipeline("fused")
     ids, targets = setup.batch(0)
-    carry = (pipeline.state, pipeline._counters)
-    donated = pipeline._step_jit.lower(carry, ids, targets).compile()
-    kept = jax.jit(pipeline._step_program).lower(carry, ids, targets).compile()
+    step, carry = pipeline.program.step, pipeline.carry
+    donated = jax.jit(step, donate_argnums=0).lower(carry, ids, targets).compile()
+    kept = jax.jit(step).lower(carry, ids, targets).compile()
     with_donation, without = memory_stats(donated), memory_stats(kept)
     state_mb = sum(
         leaf.nbytes for leaf in jax.tree_util.tree_leaves(pipeline.state)
