@@ -77,21 +77,23 @@ def sweep_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def table(rows: list[dict[str, Any]], compare: dict[str, Any] | None) -> str:
-    """The timed rows as a fixed-width text table, with the ratio to backprop if compared."""
+    """The timed rows as a fixed-width text table (`fusedpc.training.format_rows`), with the
+    ratio to backprop if compared (`-` where there is none)."""
+    from fusedpc.training import format_rows
+
     ratios = (compare or {}).get("ratio_to_backprop", {})
-    head = (
-        f"{'variant':<15}{'blocks':>7}{'step ms':>10}{'cpu ms':>9}{'tokens/s':>11}{'compile s':>11}"
-        f"{'peak MB':>9}{'GFLOP/s':>9}{'ratio':>7}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        if "step_ms" not in r:
-            continue
-        ratio = ratios.get(r["variant"])
-        lines.append(
-            f"{r['variant']:<15}{r['blocks']:>7}{r['step_ms']:>10.2f}{r['step_cpu_ms']:>9.2f}"
-            f"{r['tokens_per_s']:>11.0f}"
-            f"{r['compile_s']:>11.2f}{r['peak_mb']:>9.0f}{r['gflops']:>9.2f}"
-            f"{'' if ratio is None else format(ratio, '.2f'):>7}"
-        )
-    return "\n".join(lines)
+    timed = [{**r, "ratio": ratios.get(r["variant"])} for r in rows if "step_ms" in r]
+    return format_rows(timed, _TABLE_COLUMNS, frame=False)
+
+
+_TABLE_COLUMNS = (
+    ("variant", "variant"),
+    ("blocks", "blocks", "", ">"),
+    ("step_ms", "step ms", ".2f", ">"),
+    ("step_cpu_ms", "cpu ms", ".2f", ">"),
+    ("tokens_per_s", "tokens/s", ".0f", ">"),
+    ("compile_s", "compile s", ".2f", ">"),
+    ("peak_mb", "peak MB", ".0f", ">"),
+    ("gflops", "GFLOP/s", ".2f", ">"),
+    ("ratio", "ratio", ".2f", ">"),
+)
