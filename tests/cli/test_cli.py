@@ -22,7 +22,7 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from fusedpc.cli import _flags, main
-from fusedpc.training import _config, _loop, _runtime, _setup
+from fusedpc.training import _config, _config_file, _loop, _runtime, _setup
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -83,7 +83,7 @@ def test_train_writes_every_file_and_the_loss_falls(tiny_run):
     assert len(reports) == 15 * len(parts)
     assert {r["step"] for r in reports} == set(range(2, 31, 2))
     assert all(r["update_ratio"] > 0 and r["finite"] for r in reports)
-    config = _config.read_config_file(tiny_run / "config.toml")
+    config = _config_file.read_config_file(tiny_run / "config.toml")
     assert config["steps"] == 30 and config["width"] == 16 and config["batch"] == 4
 
 
@@ -112,7 +112,9 @@ def test_train_prints_a_sample_and_a_summary(tiny_run):
 
 def test_every_config_setting_has_a_flag():
     flags = {_flags.setting_name(flag) for flag, _ in _flags.CONFIG_FLAGS} | {"distributed"}
-    assert flags == {f.name for f in dataclasses.fields(_config.TrainConfig)}
+    assert flags == set(_config.SETTINGS)
+    assert {f.name for f in dataclasses.fields(_config.TrainConfig)} - {"model"} <= flags
+    assert set(_config.MODEL_SETTINGS) <= flags
 
 
 def test_resume_continues_bit_for_bit(train_cli, tmp_path):
@@ -138,7 +140,7 @@ def test_resume_continues_bit_for_bit(train_cli, tmp_path):
 
 def test_interrupt_saves_a_checkpoint_and_the_files(cache, tmp_path):
     _runtime.enable_compile_cache(cache)
-    config = _config.resolve_config(TINY, {"steps": 30})
+    config = _config_file.resolve_config(TINY, {"steps": 30})
 
     def stop_at_ten(step, loss):
         if step >= 10:
@@ -239,6 +241,6 @@ def test_console_script_error_in_a_fresh_process():
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        "fusedpc: error: heads=4 must divide width=30 (each head gets width/heads features); "
-        "choose e.g. heads=3."
+        "fusedpc: error: n_heads=4 must divide width=30 (each head gets width/n_heads "
+        "features); choose e.g. n_heads=3."
     ]

@@ -11,7 +11,7 @@ import pytest
 
 from fusedpc.training import Tokenizer, load_run, train
 from fusedpc.training import data as data_module
-from fusedpc.training._config import resolve_config
+from fusedpc.training._config_file import resolve_config
 from fusedpc.training._setup import encode_text, resolve_tokenizer
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
@@ -91,7 +91,7 @@ def test_train_resume_and_load_with_a_user_tokeniser(tmp_path):
     out = tmp_path / "lower"
     result = train(config, out, tokenizer=tok, stream=devnull)
     assert result.step == 10 and result.tokenizer is tok and np.isfinite(result.val_loss)
-    assert result.pipeline.predict(np.zeros((1, config.seq), np.int32)).shape[-1] == (
+    assert result.pipeline.predict(np.zeros((1, config.model.max_len), np.int32)).shape[-1] == (
         tok.vocab_size
     )
     with pytest.raises(ValueError, match="pass it again"):

@@ -16,6 +16,7 @@ import pytest
 from fusedpc.training import (
     _calibrate,
     _config,
+    _config_file,
     _evaluate,
     _log,
     _plots,
@@ -31,26 +32,31 @@ def test_defaults_validate_and_round_trip_through_toml(tmp_path):
     config = _config.TrainConfig()
     config.validate()
     odd = dataclasses.replace(config, text="my \"quoted\" text.txt", lr=2.5e-4, distributed=True,
-                              learn="attention,head", temperature=0.0)
+                              model=dataclasses.replace(config.model, learn="attention,head"),
+                              temperature=0.0)
     path = tmp_path / "config.toml"
-    path.write_text(_config.config_to_toml(odd))
-    assert _config.read_config_file(path) == dataclasses.asdict(odd)
+    path.write_text(_config_file.config_to_toml(odd))
+    assert _config_file.read_config_file(path) == _config.config_settings(odd)
+    assert _config_file.resolve_config(path) == odd
 
 
 def test_the_example_configs_are_valid_and_default_toml_is_the_defaults():
     configs = Path(__file__).resolve().parents[2] / "configs"
-    assert _config.resolve_config(configs / "default.toml") == _config.TrainConfig()
-    tiny = _config.resolve_config(configs / "tiny.toml")
-    assert (tiny.width, tiny.heads, tiny.blocks, tiny.seq, tiny.batch) == (16, 2, 1, 16, 4)
+    assert _config_file.resolve_config(configs / "default.toml") == _config.TrainConfig()
+    tiny = _config_file.resolve_config(configs / "tiny.toml")
+    model = tiny.model
+    assert (model.width, model.n_heads, model.n_blocks, model.max_len, tiny.batch) == (
+        16, 2, 1, 16, 4
+    )
 
 
 def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text("[model]\nwidth = 32\nheads = 8\nlearn = ['feed_forward', 'head']\n"
+    path.write_text("[model]\nwidth = 32\nn_heads = 8\nlearn = ['feed_forward', 'head']\n"
                     "[optimiser]\nlr = 1\n")
-    config = _config.resolve_config(path, {"heads": 4, "steps": 7})
-    assert (config.width, config.heads, config.steps) == (32, 4, 7)
-    assert config.learn == "feed_forward,head"
+    config = _config_file.resolve_config(path, {"n_heads": 4, "steps": 7})
+    assert (config.model.width, config.model.n_heads, config.steps) == (32, 4, 7)
+    assert config.model.learn == "feed_forward,head"
     assert config.lr == 1.0 and isinstance(config.lr, float)
     assert config.batch == _config.TrainConfig().batch
 
@@ -69,7 +75,7 @@ def test_malformed_config_files_name_the_problem(tmp_path, text, message):
     path = tmp_path / "c.toml"
     path.write_text(text)
     with pytest.raises(ValueError, match="c.toml") as info:
-        _config.resolve_config(path)
+        _config_file.resolve_config(path)
     assert message in str(info.value)
 
 
@@ -86,17 +92,17 @@ def test_malformed_config_files_name_the_problem(tmp_path, text, message):
 )
 def test_invalid_settings_are_refused(overrides, message):
     with pytest.raises(ValueError) as info:
-        _config.resolve_config(None, overrides)
+        _config_file.resolve_config(None, overrides)
     assert message in str(info.value)
 
 
 def test_resume_config_allows_only_settings_that_keep_the_run_identical(tmp_path):
-    (tmp_path / "config.toml").write_text(_config.config_to_toml(_config.TrainConfig()))
+    (tmp_path / "config.toml").write_text(_config_file.config_to_toml(_config.TrainConfig()))
     (tmp_path / "checkpoint.fpc").write_bytes(b"")
-    config = _config.resume_config(tmp_path, {"steps": 5000, "eval_every": 50, "width": 64})
+    config = _config_file.resume_config(tmp_path, {"steps": 5000, "eval_every": 50, "width": 64})
     assert config.steps == 5000 and config.eval_every == 50
     with pytest.raises(ValueError, match="cannot change lr, seed"):
-        _config.resume_config(tmp_path, {"seed": 3, "lr": 0.1, "steps": 9})
+        _config_file.resume_config(tmp_path, {"seed": 3, "lr": 0.1, "steps": 9})
 
 
 def test_calls_end_at_multiples_of_steps_per_call():

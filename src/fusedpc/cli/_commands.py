@@ -10,7 +10,7 @@ from fusedpc.training._host_memory import gpt_step_temporaries, host_memory_choi
 
 
 def train_command(args: argparse.Namespace) -> int:
-    from fusedpc.training import _config, _loop, _runtime
+    from fusedpc.training import _config_file, _loop, _runtime
 
     overrides = {
         setting_name(flag): getattr(args, setting_name(flag))
@@ -25,9 +25,9 @@ def train_command(args: argparse.Namespace) -> int:
                 "--config and --resume cannot be combined: a resumed run keeps the "
                 "configuration in DIR/config.toml (flags such as --steps may still change)."
             )
-        config = _config.resume_config(args.resume, overrides)
+        config = _config_file.resume_config(args.resume, overrides)
     else:
-        config = _config.resolve_config(args.config, overrides)
+        config = _config_file.resolve_config(args.config, overrides)
     if config.devices > 1:
         try:
             _runtime.emulate_cpu_devices(config.devices)
@@ -38,8 +38,9 @@ def train_command(args: argparse.Namespace) -> int:
     host_memory_choice(
         args.host_memory,
         gpt_step_temporaries(
-            batch=config.batch, seq=config.seq, width=config.width, heads=config.heads,
-            blocks=config.blocks, ff_width=config.ff_width,
+            batch=config.batch, seq=config.model.max_len, width=config.model.width,
+            heads=config.model.n_heads, blocks=config.model.n_blocks,
+            ff_width=config.model.ff_width,
         ),
     )
     result = _loop.train(config, args.out, resume_from=args.resume)

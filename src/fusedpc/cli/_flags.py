@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 # Flags that set a `TrainConfig` field: (flag, help). The field is the flag's name with
 # underscores; type and default come from `TrainConfig`. The parsed defaults are None, so that
 # only the flags actually given override the config file (which overrides the defaults).
@@ -10,15 +12,18 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--tokenizer", "'char' (the text's characters) or 'byte' (256 tokens)"),
     ("--validation-fraction", "share of the text, at its end, held out for validation"),
     ("--width", "model width"),
-    ("--heads", "attention heads; must divide the width"),
-    ("--blocks", "transformer blocks"),
+    ("--n-heads", "attention heads; must divide the width"),
+    ("--n-blocks", "transformer blocks"),
     ("--ff-width", "feed-forward hidden width"),
-    ("--seq", "tokens per row, also the position table's length"),
+    ("--max-len", "the position table's length, also the tokens per row"),
     ("--learn", "learning slots: a preset (all, ff_head, none) or a comma list of token, "
      "position, attention, feed_forward, norm, head"),
     ("--learning-kind", "precision_weighted, standard or synaptic_uncertainty"),
     ("--window", "window of synaptic_uncertainty (required with it)"),
     ("--head-kind", "gaussian (logits) or categorical (probabilities)"),
+    ("--fused-qkv", "true: the learning query, key and value projections as one fused part"),
+    ("--hidden-precision", "precision of the feed-forward's hidden-layer errors"),
+    ("--scan", "how blocks run: auto (unrolled up to 4, scanned beyond), true or false"),
     ("--optimiser", "adam, adamw or sgd"),
     ("--lr", "learning rate"),
     ("--weight-decay", "weight decay of adamw"),
@@ -38,5 +43,30 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
 )
 
 
+ALIASES: dict[str, str] = {"--heads": "--n-heads", "--blocks": "--n-blocks", "--seq": "--max-len"}
+"""The flags of fusedpc 0.1, still accepted: each is another spelling of the flag it names."""
+
+
 def setting_name(flag: str) -> str:
+    """The setting a flag sets: `--max-len` -> `max_len`."""
     return flag[2:].replace("-", "_")
+
+
+def parse_bool(text: str) -> bool:
+    """`true`/`false` (also `1`/`0`, `yes`/`no`) as a flag's value."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+        str(text).strip().lower()
+    )
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
+def parse_scan(text: str) -> bool | str:
+    """`auto`, `true` or `false` as the value of `--scan`."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bool(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto, true or false, got {text!r}") from None

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from fusedpc.cli._commands import report_command, train_command
-from fusedpc.cli._flags import CONFIG_FLAGS, setting_name
+from fusedpc.cli._flags import ALIASES, CONFIG_FLAGS, parse_bool, parse_scan, setting_name
 from fusedpc.training._host_memory import HOST_MEMORY_MODES
 
 
@@ -22,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> _Parser:
-    from fusedpc.training import TrainConfig  # no JAX backend is started by this import
+    from fusedpc.training._config import SETTINGS  # no JAX backend is started by this import
 
     parser = _Parser(
         prog="fusedpc",
@@ -45,14 +45,20 @@ def build_parser() -> _Parser:
                        help="output folder (default runs/<timestamp>; with --resume, DIR)")
     train.add_argument("--resume", metavar="DIR",
                        help="continue the run in DIR up to --steps total steps")
-    defaults = TrainConfig()
+    old_spelling = {new: old for old, new in ALIASES.items()}
     for flag, text in CONFIG_FLAGS:
         field = setting_name(flag)
-        default = getattr(defaults, field)
-        kind = type(default)
-        metavar = {int: "N", float: "X"}.get(kind, "PATH" if field == "text" else "NAME")
-        train.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar,
-                           help=f"{text} (default {default})")
+        default = SETTINGS[field]
+        kind = parse_scan if field == "scan" else parse_bool if type(default) is bool else type(
+            default
+        )
+        metavar = {int: "N", float: "X", parse_bool: "BOOL", parse_scan: "SCAN"}.get(
+            kind, "PATH" if field == "text" else "NAME"
+        )
+        flags = [flag, old_spelling[flag]] if flag in old_spelling else [flag]
+        default_text = str(default).lower() if isinstance(default, bool) else default
+        train.add_argument(*flags, dest=field, type=kind, default=None, metavar=metavar,
+                           help=f"{text} (default {default_text})")
     train.add_argument("--distributed", action="store_true", default=None,
                        help="join a multi-process run (jax.distributed.initialize())")
     train.add_argument("--compile-cache", metavar="DIR",

@@ -1,24 +1,50 @@
-"""The settings of a run: `TrainConfig`, its TOML file (read, written, checked) and the
-settings a resumed run may change."""
+"""The settings of a run: `TrainConfig`, whose model part is a `GPTConfig`, and the flat
+settings (the CLI's flags, the TOML file's keys) it is read from and written to.
+
+A setting of the model has the name of the `GPTConfig` field it sets (`n_heads`, `n_blocks`,
+`max_len`, ...), plus `window`, the one learning keyword a run takes
+(`GPTConfig.learning_kwargs["window"]` of `synaptic_uncertainty`). The model's vocabulary
+size is not a setting: the tokeniser decides it (`TrainConfig.gpt_config(vocab_size)`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import inspect
 import math
-import os
-import tomllib
+import warnings
 from typing import Any
 
 from fusedpc.parts.learning._local_update import LEARNING_KINDS
 from fusedpc.training import data
 from fusedpc.training._optimisers import OPTIMISERS
-from fusedpc.transformer._build import SLOTS, GPTConfig
-
-CHECKPOINT_NAME = "checkpoint.fpc"
-CONFIG_NAME = "config.toml"
+from fusedpc.transformer._build import SCAN_CHOICES, SLOTS, GPTConfig
 
 TOKENIZERS = ("char", "byte")
+SYNAPTIC = "synaptic_uncertainty"
+
+MODEL_SETTINGS = (
+    "width", "n_heads", "n_blocks", "ff_width", "max_len", "learn", "learning_kind", "window",
+    "head_kind", "fused_qkv", "hidden_precision", "scan",
+)
+"""The settings of `TrainConfig.model`: `GPTConfig` fields by their own names, and `window`."""
+
+RENAMED = {"heads": "n_heads", "blocks": "n_blocks", "seq": "max_len"}
+"""Setting names of fusedpc 0.1 and their `GPTConfig` names. The old names (TOML keys,
+`overrides`, `TrainConfig(...)` keywords and attributes, CLI flags) keep working for one
+release, with a `DeprecationWarning` (the CLI flags without one)."""
+
+REMOVED_IN = "0.3"
+
+
+def _deprecated(old: list[str], where: str) -> None:
+    renamed = ", ".join(f"{name!r} is now {RENAMED[name]!r}" for name in old)
+    warnings.warn(
+        f"{where}: settings renamed to GPTConfig's names: {renamed}; the old names will be "
+        f"removed in {REMOVED_IN}.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,25 +55,33 @@ class TrainConfig:
     `tokenizer`: `"char"` (vocabulary = the text's characters) or `"byte"` (256 tokens);
     `validation_fraction`: the share of the text, at its end, held out for validation.
 
-    **[model]** `width`, `heads` (must divide `width`), `blocks`, `ff_width`, `seq` (tokens per
-    row, also the position table's length); `learn`: the learning slots, a preset (`"all"`,
-    `"ff_head"`, `"none"`) or a comma list of `token, position, attention, feed_forward, norm,
-    head`; `learning_kind`: `"precision_weighted"`, `"standard"` or `"synaptic_uncertainty"`
-    (which needs `window` >= 1); `head_kind`: `"gaussian"` (logits) or `"categorical"`
-    (probabilities).
+    **[model]** `model`: a `GPTConfig` (its `vocab_size` is replaced by the tokeniser's). Its
+    settings: `width`, `n_heads` (must divide `width`), `n_blocks`, `ff_width`, `max_len`
+    (the position table's length, also the tokens per training row $T$); `learn`: the
+    learning slots, a preset (`"all"`, `"ff_head"`, `"none"`) or a comma list of `token,
+    position, attention, feed_forward, norm, head`; `learning_kind`: `"precision_weighted"`,
+    `"standard"` or `"synaptic_uncertainty"` (which needs `window` >= 1); `head_kind`:
+    `"gaussian"` (logits) or `"categorical"` (probabilities); `fused_qkv`,
+    `hidden_precision`, `scan` as in `GPTConfig`.
 
-    **[optimiser]** `optimiser`: `"adam"`, `"adamw"` or `"sgd"`; `lr`; `weight_decay` (adamw);
-    `slot_lr_scales`: per-slot rate multipliers, e.g. `"head=0.5,attention=2"` (the
-    multipliers `fusedpc report` suggests), each slot then gets its own optimiser.
+    **[optimiser]** `optimiser`: `"adam"`, `"adamw"` or `"sgd"` (`make_optimiser`); `lr`;
+    `weight_decay` (adamw); `slot_lr_scales`: per-slot rate multipliers, e.g.
+    `"head=0.5,attention=2"` (the multipliers `fusedpc report` suggests), each slot then gets
+    its own optimiser.
 
-    **[training]** `steps` (the total to reach), `batch` (rows per step, per process),
+    **[training]** `steps` (the total to reach), `batch` (rows per step per process, $B$),
     `steps_per_call` (K steps per compiled call), `seed`, `eval_every` (steps between
     validations; 0: only at the start and the end), `eval_batches`, `report_every` (steps
     between logged report rows), `save_every` (steps between checkpoints; 0: only at the end),
-    `sample_tokens` and `temperature` of the final sample.
+    `sample_tokens` and `temperature` of the final sample. A step's batch is $(B, T)$ token
+    ids.
 
     **[runtime]** `devices` (data-parallel devices; on CPU they are emulated), `distributed`
     (join a multi-process run with `jax.distributed.initialize()`).
+
+    The keywords of fusedpc 0.1 (`width=`, `heads=`, `blocks=`, `seq=`, ... at the top level)
+    and the attributes of those names still work, with a `DeprecationWarning`; they set and
+    read `model`.
     """
 
     # [data]
@@ -55,15 +89,7 @@ class TrainConfig:
     tokenizer: str = "char"
     validation_fraction: float = 0.1
     # [model]
-    width: int = 64
-    heads: int = 4
-    blocks: int = 2
-    ff_width: int = 256
-    seq: int = 64
-    learn: str = "all"
-    learning_kind: str = "precision_weighted"
-    window: int = 0
-    head_kind: str = "gaussian"
+    model: GPTConfig = dataclasses.field(default_factory=GPTConfig)
     # [optimiser]
     optimiser: str = "adam"
     lr: float = 3e-3
@@ -84,24 +110,40 @@ class TrainConfig:
     devices: int = 1
     distributed: bool = False
 
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        """`model` with the tokeniser's `vocab_size`: what `build_gpt` is given."""
+        return dataclasses.replace(self.model, vocab_size=vocab_size)
+
     def validate(self) -> None:
         """Raise a `ValueError` naming the first bad setting and what is allowed."""
+        if not isinstance(self.model, GPTConfig):
+            raise TypeError(
+                f"TrainConfig.model must be a fusedpc.GPTConfig, got {type(self.model).__name__}."
+            )
+        settings = config_settings(self)
         positive = (
-            "width", "heads", "blocks", "ff_width", "seq", "steps", "batch", "steps_per_call",
-            "eval_batches", "report_every", "devices",
+            "width", "n_heads", "n_blocks", "ff_width", "max_len", "steps", "batch",
+            "steps_per_call", "eval_batches", "report_every", "devices",
         )
         for name in positive:
-            value = getattr(self, name)
+            value = settings[name]
             if not value >= 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         for name in ("seed", "eval_every", "save_every", "sample_tokens", "window"):
-            value = getattr(self, name)
+            value = settings[name]
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}.")
-        if self.width % self.heads:
+        model = self.model
+        if model.width % model.n_heads:
             raise ValueError(
-                f"heads={self.heads} must divide width={self.width} (each head gets "
-                f"width/heads features); choose e.g. heads={_divisor_near(self.width, self.heads)}."
+                f"n_heads={model.n_heads} must divide width={model.width} (each head gets "
+                f"width/n_heads features); choose e.g. "
+                f"n_heads={_divisor_near(model.width, model.n_heads)}."
+            )
+        extra = sorted(set(model.learning_kwargs or {}) - {"window"})
+        if extra:
+            raise ValueError(
+                f"model.learning_kwargs: a run's settings hold only 'window', got {extra}."
             )
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}.")
@@ -119,11 +161,11 @@ class TrainConfig:
             )
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
-        if self.learning_kind not in LEARNING_KINDS:
+        if model.learning_kind not in LEARNING_KINDS:
             raise ValueError(
-                f"learning_kind must be one of {LEARNING_KINDS}, got {self.learning_kind!r}."
+                f"learning_kind must be one of {LEARNING_KINDS}, got {model.learning_kind!r}."
             )
-        if self.learning_kind == "synaptic_uncertainty" and self.window < 1:
+        if model.learning_kind == SYNAPTIC and settings["window"] < 1:
             raise ValueError(
                 "learning_kind 'synaptic_uncertainty' needs window >= 1 (the number of steps "
                 "its per-weight beliefs average over); pass e.g. --window 100."
@@ -133,7 +175,7 @@ class TrainConfig:
                 f"batch={self.batch} must divide over devices={self.devices}; use a multiple "
                 f"of {self.devices}."
             )
-        self.gpt_config(vocab_size=1).validate()  # learn slots, learning kind, head kind
+        self.gpt_config(vocab_size=1).validate()  # learn slots, head kind, scan
 
     def lr_scales(self) -> dict[str, float]:
         """`slot_lr_scales` parsed: `{"head": 0.5, ...}`; bad entries raise a `ValueError`."""
@@ -153,33 +195,69 @@ class TrainConfig:
             scales[slot] = scale
         return scales
 
-    def gpt_config(self, vocab_size: int):
-        return GPTConfig(
-            vocab_size=vocab_size,
-            width=self.width,
-            n_heads=self.heads,
-            n_blocks=self.blocks,
-            ff_width=self.ff_width,
-            max_len=self.seq,
-            learn=self.learn,
-            learning_kind=self.learning_kind,
-            learning_kwargs={"window": self.window}
-            if self.learning_kind == "synaptic_uncertainty"
-            else None,
-            head_kind=self.head_kind,
-        )
-
 
 def _divisor_near(width: int, heads: int) -> int:
     return min((d for d in range(1, width + 1) if width % d == 0), key=lambda d: abs(d - heads))
 
 
+# --------------------------------------------------------------------------- flat settings
+_RUN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "model")
+
+
+def _model_settings(model: GPTConfig) -> dict[str, Any]:
+    out = {name: getattr(model, name) for name in MODEL_SETTINGS if name != "window"}
+    if not isinstance(out["learn"], str):
+        out["learn"] = ",".join(out["learn"])
+    out["window"] = int((model.learning_kwargs or {}).get("window", 0))
+    return out
+
+
+def _model_from(model: GPTConfig, settings: dict[str, Any]) -> GPTConfig:
+    """`model` with the model `settings` (`MODEL_SETTINGS` names) applied."""
+    merged = {**_model_settings(model), **settings}
+    window = merged.pop("window")
+    # As in fusedpc 0.1: the window reaches the model only with the kind that uses it.
+    kwargs = {"window": window} if merged["learning_kind"] == SYNAPTIC else None
+    return dataclasses.replace(model, learning_kwargs=kwargs, **merged)
+
+
+def config_settings(config: TrainConfig) -> dict[str, Any]:
+    """The flat settings of `config`, named as in `SECTIONS` (what its TOML file holds)."""
+    run = {name: getattr(config, name) for name in _RUN_FIELDS}
+    model = _model_settings(config.model)
+    return {name: model[name] if name in model else run[name] for name in SETTINGS}
+
+
+def config_from_settings(
+    settings: dict[str, Any], base: TrainConfig | None = None
+) -> TrainConfig:
+    """`base` (default `TrainConfig()`) with the flat `settings` applied (checked names)."""
+    base = TrainConfig() if base is None else base
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"settings: unknown {unknown}; known: {', '.join(SETTINGS)}.")
+    model = {k: v for k, v in settings.items() if k in MODEL_SETTINGS}
+    run = {k: v for k, v in settings.items() if k not in MODEL_SETTINGS}
+    return dataclasses.replace(base, model=_model_from(base.model, model), **run)
+
+
+SETTINGS: dict[str, Any] = {}
+"""Every flat setting and its default, in the order of `SECTIONS`."""
+
+
+def _settings_defaults() -> dict[str, Any]:
+    default = TrainConfig()
+    run = {name: getattr(default, name) for name in _RUN_FIELDS}
+    model = _model_settings(default.model)
+    order = [*_RUN_FIELDS[:3], *MODEL_SETTINGS, *_RUN_FIELDS[3:]]
+    return {name: model[name] if name in model else run[name] for name in order}
+
+
+SETTINGS.update(_settings_defaults())
+
 SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("text", "tokenizer", "validation_fraction"),
-    "model": (
-        "width", "heads", "blocks", "ff_width", "seq", "learn", "learning_kind", "window",
-        "head_kind",
-    ),
+    "model": MODEL_SETTINGS,
     "optimiser": ("optimiser", "lr", "weight_decay", "slot_lr_scales"),
     "training": (
         "steps", "batch", "steps_per_call", "seed", "eval_every", "eval_batches",
@@ -188,31 +266,36 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "runtime": ("devices", "distributed"),
 }
 
-RESUMABLE = frozenset(
-    {
-        "steps", "steps_per_call", "eval_every", "eval_batches", "report_every", "save_every",
-        "sample_tokens", "temperature", "devices",
-    }
-)
-"""Settings a resumed run may change: none changes the batches or the maths of the updates.
-The continuation is bit-identical when only `steps`, the evaluation, report, save and sample
-settings change; another `steps_per_call` or `devices` compiles other programs (a scan of
-another length, other cross-device reductions), which may round differently."""
-
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_TYPES = {name: type(f.default) for name, f in _FIELDS.items()}
+_TYPES = {name: type(value) for name, value in SETTINGS.items()}
 
 
 def coerce_settings(settings: dict[str, Any], where: str) -> dict[str, Any]:
     """Check the names and types of `settings` (as read from TOML or given in Python).
 
-    Integers are accepted for float settings; a list of slot names for `learn`.
+    Integers are accepted for float settings; a list of slot names for `learn`; `true`,
+    `false` or `"auto"` for `scan`. The names of fusedpc 0.1 (`RENAMED`: `heads`, `blocks`,
+    `seq`) are accepted with a `DeprecationWarning` and returned under their new names.
     """
     out = {}
+    old = [name for name in settings if name in RENAMED]
+    for name in old:
+        if RENAMED[name] in settings:
+            raise ValueError(
+                f"{where}: {name!r} and {RENAMED[name]!r} name the same setting; give only "
+                f"{RENAMED[name]!r}."
+            )
+    if old:
+        _deprecated(old, where)
     for name, value in settings.items():
+        name = RENAMED.get(name, name)
         if name not in _TYPES:
             raise ValueError(f"{where}: unknown setting {name!r}; known: {', '.join(_TYPES)}.")
         kind = _TYPES[name]
+        if name == "scan":
+            if value not in SCAN_CHOICES or (not isinstance(value, bool) and value != "auto"):
+                raise ValueError(f"{where}: scan must be true, false or 'auto', got {value!r}.")
+            out[name] = value
+            continue
         if name == "learn" and isinstance(value, list | tuple):
             value = ",".join(str(v) for v in value)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -228,110 +311,51 @@ def coerce_settings(settings: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """The settings of a TOML config file, flattened (sections as in `SECTIONS`).
-
-    Raises `FileNotFoundError` for a missing file and `ValueError` for a malformed one, an
-    unknown section or key, a key in the wrong section or a value of the wrong type.
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no config file at {path!r}")
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"config file {path!r} is not valid TOML: {err}") from None
-    section_of = {name: s for s, names in SECTIONS.items() for name in names}
-    flat: dict[str, Any] = {}
-    for section, table in raw.items():
-        if not isinstance(table, dict) and section in section_of:
-            raise ValueError(
-                f"config file {path!r}: key {section!r} must be inside the "
-                f"[{section_of[section]}] section."
-            )
-        if section not in SECTIONS or not isinstance(table, dict):
-            raise ValueError(
-                f"config file {path!r}: unknown section {section!r}; sections are "
-                f"{', '.join(f'[{s}]' for s in SECTIONS)}."
-            )
-        for name, value in table.items():
-            if section_of.get(name) != section:
-                hint = f" (it belongs in [{section_of[name]}])" if name in section_of else ""
-                raise ValueError(
-                    f"config file {path!r}: unknown key {name!r} in [{section}]{hint}; known "
-                    f"keys there: {', '.join(SECTIONS[section])}."
-                )
-            flat[name] = value
-    return coerce_settings(flat, f"config file {path!r}")
+# --------------------------------------------------------------------------- 0.1 names
+_OLD_MODEL_KEYWORDS = frozenset(
+    {"width", "ff_width", "learn", "learning_kind", "window", "head_kind", *RENAMED}
+)
+_dataclass_init = TrainConfig.__init__
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
-    raise TypeError(f"cannot write {value!r} to TOML")
-
-
-def config_to_toml(config: TrainConfig) -> str:
-    """The config as a TOML document, one section per group of `SECTIONS`."""
-    lines = ["# fusedpc train: the resolved configuration of this run.", ""]
-    for section, names in SECTIONS.items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{name} = {_toml_value(getattr(config, name))}" for name in names)
-        lines.append("")
-    return "\n".join(lines)
-
-
-def resolve_config(
-    file: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None
-) -> TrainConfig:
-    """Defaults, then the config `file`, then `overrides`; validated."""
-    settings: dict[str, Any] = {}
-    if file is not None:
-        settings.update(read_config_file(file))
-    settings.update(coerce_settings(dict(overrides or {}), "settings"))
-    config = dataclasses.replace(TrainConfig(), **settings)
-    config.validate()
-    return config
-
-
-def resume_config(run_dir: str | os.PathLike, overrides: dict[str, Any] | None = None):
-    """The config of the run in `run_dir`, with the `overrides` a resumed run may change.
-
-    Changing anything outside `RESUMABLE` (the model, the data, the optimiser, the seed, the
-    batch) would make the continuation differ from an uninterrupted run, and is refused.
-    """
-    run_dir = os.fspath(run_dir)
-    if not os.path.isdir(run_dir):
-        raise FileNotFoundError(f"--resume: no run folder at {run_dir!r}")
-    for name in (CONFIG_NAME, CHECKPOINT_NAME):
-        if not os.path.isfile(os.path.join(run_dir, name)):
-            raise FileNotFoundError(
-                f"--resume: {run_dir!r} has no {name}; give the folder of a run that "
-                "fusedpc train wrote."
-            )
-    saved = resolve_config(os.path.join(run_dir, CONFIG_NAME))
-    overrides = coerce_settings(dict(overrides or {}), "settings")
-    fixed = sorted(
-        name for name, value in overrides.items()
-        if name not in RESUMABLE and value != getattr(saved, name)
-    )
-    if fixed:
-        raise ValueError(
-            f"--resume: cannot change {', '.join(fixed)} of a run being resumed (the "
-            f"continuation would no longer match an uninterrupted run); only "
-            f"{', '.join(sorted(RESUMABLE))} may change."
+def _init(self, *args, **kwargs):
+    old = {name: kwargs.pop(name) for name in list(kwargs) if name in _OLD_MODEL_KEYWORDS}
+    if old:
+        warnings.warn(
+            f"TrainConfig({', '.join(f'{k}=' for k in old)}): the model's settings are now "
+            f"TrainConfig.model, a GPTConfig (e.g. TrainConfig(model=GPTConfig(n_heads=8))); "
+            f"the top-level keywords will be removed in {REMOVED_IN}.",
+            DeprecationWarning,
+            stacklevel=2,
         )
-    config = dataclasses.replace(saved, **overrides)
-    config.validate()
-    return config
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            settings = coerce_settings(old, "TrainConfig")
+        kwargs["model"] = _model_from(kwargs.get("model", GPTConfig()), settings)
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init.__doc__ = _dataclass_init.__doc__
+_init.__signature__ = inspect.signature(_dataclass_init)
+TrainConfig.__init__ = _init
+
+
+def _old_attribute(name: str):
+    new = RENAMED.get(name, name)
+
+    def get(self):
+        warnings.warn(
+            f"TrainConfig.{name} is now TrainConfig.model.{new}"
+            + (" (GPTConfig's name)" if name in RENAMED else "")
+            + f"; the old attribute will be removed in {REMOVED_IN}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _model_settings(self.model)[new]
+
+    get.__name__ = name
+    return property(get, doc=f"Deprecated: `model.{new}`.")
+
+
+for _name in sorted(_OLD_MODEL_KEYWORDS):
+    setattr(TrainConfig, _name, _old_attribute(_name))

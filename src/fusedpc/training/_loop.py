@@ -41,7 +41,8 @@ import numpy as np
 from fusedpc.execution._checkpoint import read_checkpoint_manifest
 from fusedpc.execution._sharding import make_global_batch
 from fusedpc.training import _plots, data
-from fusedpc.training._config import CHECKPOINT_NAME, CONFIG_NAME, TrainConfig, config_to_toml
+from fusedpc.training._config import TrainConfig, config_settings
+from fusedpc.training._config_file import CHECKPOINT_NAME, CONFIG_NAME, config_to_toml
 from fusedpc.training._evaluate import evaluate, host_array
 from fusedpc.training._log import LOG_NAME, RunLog, read_log
 from fusedpc.training._progress import Progress, format_duration
@@ -143,7 +144,7 @@ class _Session:
         self.pipeline = build_pipeline(config, self.tokenizer.vocab_size, self.mesh)
         # Each process draws its own rows; batch k depends only on (seed, k).
         self.batches = data.BatchIterator(
-            train_ids, config.batch, config.seq, seed=config.seed + jax.process_index()
+            train_ids, config.batch, config.model.max_len, seed=config.seed + jax.process_index()
         )
         self.step, self.elapsed_before = 0, 0.0
         if checkpoint is not None:
@@ -164,10 +165,10 @@ class _Session:
         self.start_step = self.step
         # Validation: the same batches at every evaluation, identical on every process.
         val_iter = data.BatchIterator(
-            self.val_ids, config.batch * self.processes, config.seq, seed=config.seed
+            self.val_ids, config.batch * self.processes, config.model.max_len, seed=config.seed
         )
         self.val_x, self.val_y = val_iter.next_batches(config.eval_batches)
-        self.tokens_per_step = config.batch * config.seq * self.processes
+        self.tokens_per_step = config.batch * config.model.max_len * self.processes
 
         history = []
         if self.leader:
@@ -184,9 +185,10 @@ class _Session:
         self.began = time.perf_counter()
         self.compile_s, self.steady_s, self.steady_tokens = 0.0, 0.0, 0
         self.val_loss, self.val_step = float("nan"), -1
+        model = config.model
         self.say(
-            f"fusedpc train: {config.blocks} blocks, width {config.width}, {config.heads} "
-            f"heads, vocabulary {self.tokenizer.vocab_size}, learning {config.learn!r}, "
+            f"fusedpc train: {model.n_blocks} blocks, width {model.width}, {model.n_heads} "
+            f"heads, vocabulary {self.tokenizer.vocab_size}, learning {model.learn!r}, "
             f"{config.optimiser} lr {config.lr:g}; {len(train_ids):,} training tokens -> "
             f"{self.out}"
         )
@@ -201,7 +203,7 @@ class _Session:
             self.progress.message(text)
 
     def evaluate(self) -> None:
-        probabilities = self.config.head_kind == "categorical"
+        probabilities = self.config.model.head_kind == "categorical"
         loss = evaluate(self.pipeline, self.val_x, self.val_y, probabilities)
         self.val_loss, self.val_step = loss, self.step
         perplexity = float(np.exp(loss))
@@ -211,7 +213,7 @@ class _Session:
 
     def save(self) -> None:
         metadata = {
-            "config": dataclasses.asdict(self.config),
+            "config": config_settings(self.config),
             "tokenizer": self.tokenizer.to_dict(),
             "data": self.batches.state_dict(),
             "step": self.step,
@@ -258,7 +260,7 @@ class _Session:
         return float(losses[-1])
 
     def sample(self) -> str:
-        prompt = self.val_ids[: max(1, min(16, self.config.seq // 2))]
+        prompt = self.val_ids[: max(1, min(16, self.config.model.max_len // 2))]
         key = jax.random.fold_in(jax.random.key(self.config.seed), self.step)
         ids = generate(self.pipeline, prompt[None], self.config.sample_tokens,
                        self.config.temperature, key)

@@ -12,7 +12,8 @@ from fusedpc.execution._checkpoint import read_checkpoint_manifest
 from fusedpc.execution._pipeline import FusedPipeline
 from fusedpc.execution._sharding import data_mesh
 from fusedpc.training import data
-from fusedpc.training._config import CHECKPOINT_NAME, TrainConfig, resume_config
+from fusedpc.training._config import TrainConfig
+from fusedpc.training._config_file import CHECKPOINT_NAME, resume_config
 from fusedpc.training._optimisers import make_optimiser
 from fusedpc.transformer._build import build_gpt
 
@@ -86,10 +87,10 @@ def load_tokens(
     ids = encode_text(tok, text)
     train_ids, val_ids = data.split(ids, config.validation_fraction)
     for name, part in (("training", train_ids), ("validation", val_ids)):
-        if len(part) < config.seq + 1:
+        if len(part) < config.model.max_len + 1:
             raise ValueError(
-                f"the text's {name} split has {len(part)} tokens, fewer than seq + 1 = "
-                f"{config.seq + 1}; use a longer text, a shorter --seq or another "
+                f"the text's {name} split has {len(part)} tokens, fewer than max_len + 1 = "
+                f"{config.model.max_len + 1}; use a longer text, a shorter --max-len or another "
                 "validation_fraction."
             )
     return text, tok, train_ids, val_ids
