@@ -1,0 +1,117 @@
+"""Time of the first training step (trace + compile + run) of a GPT, one trace vs two.
+
+Each measurement runs in a fresh Python process (nothing cached, the persistent compilation
+cache off), the variants interleaved, and prints one JSON line per process, then a summary:
+
+* `one_trace`: `FusedPipeline.step` as it is, whose shape check is the jit's own trace;
+* `two_traces`: the same with an extra `jax.eval_shape` of the step before it (what the
+  executor did before it checked shapes on the jit's trace), to show what that trace costs;
+* `previous` (with `--previous-src DIR`): `FusedPipeline.step` of another source tree, e.g.
+  a checkout of release 0.1 (`git worktree add /tmp/v01 <commit>`, then `/tmp/v01/src`).
+
+    python scripts/first_step.py                      # 4 blocks, width 64, 5 rounds
+    python scripts/first_step.py --blocks 8 --rounds 3
+    python scripts/first_step.py --previous-src /tmp/v01/src
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("one_trace", "two_traces")
+
+
+def _worker(variant: str, blocks: int, width: int) -> dict:
+    start = time.perf_counter()
+    import jax
+    import numpy as np
+    import optax
+
+    import fusedpc
+
+    imported = time.perf_counter()
+    config = fusedpc.GPTConfig(
+        vocab_size=65, width=width, n_heads=4, n_blocks=blocks, ff_width=4 * width, max_len=64
+    )
+    tree, _ = fusedpc.build_gpt(config, optax.adam(3e-3), jax.random.key(0))
+    pipeline = fusedpc.FusedPipeline(tree, "softmax_cross_entropy")
+    ids = np.random.default_rng(0).integers(0, 65, size=(16, 64), dtype=np.int32)
+    built = time.perf_counter()
+    # The shape check before compiling: the traces a first step makes (previous: its own
+    # check, an eval_shape, and then its step traces the jit once more, not timed here).
+    if variant == "two_traces":
+        jax.eval_shape(pipeline.program.step, pipeline.carry, ids, ids)
+    pipeline.check(ids, ids)
+    checked = time.perf_counter()
+    pipeline.step(ids, ids)
+    jax.block_until_ready(pipeline.state)
+    first = time.perf_counter()
+    pipeline.step(ids, ids)
+    jax.block_until_ready(pipeline.state)
+    second = time.perf_counter()
+    return {
+        "variant": variant,
+        "blocks": blocks,
+        "width": width,
+        "first_step_s": round(first - built, 4),
+        "check_s": round(checked - built, 4),
+        "second_step_s": round(second - first, 4),
+        "import_s": round(imported - start, 3),
+        "traces": dict(pipeline.trace_counts),
+        "fusedpc": fusedpc.__file__,
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--previous-src", help="another source tree to time as `previous`")
+    parser.add_argument("--worker", choices=(*VARIANTS, "previous"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(_worker(args.worker, args.blocks, args.width)))
+        return 0
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    variants = (*VARIANTS, "previous") if args.previous_src else VARIANTS
+    rows: list[dict] = []
+    for _ in range(args.rounds):
+        for variant in variants:  # interleaved: the machine is shared and noisy
+            command = [
+                sys.executable, __file__, "--worker", variant,
+                "--blocks", str(args.blocks), "--width", str(args.width),
+            ]
+            run_env = env
+            if variant == "previous":
+                run_env = {**env, "PYTHONPATH": args.previous_src}
+            done = subprocess.run(
+                command, capture_output=True, text=True, env=run_env, check=True
+            )
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    summary: dict = {"summary": True, "blocks": args.blocks, "width": args.width}
+    for variant in variants:
+        for field in ("first_step_s", "check_s"):
+            times = [r[field] for r in rows if r["variant"] == variant]
+            summary[f"{variant}_{field}_median"] = round(statistics.median(times), 4)
+            summary[f"{variant}_{field}_all"] = times
+    for field in ("first_step_s", "check_s"):
+        summary[f"{field}_ratio_one_to_two"] = round(
+            summary[f"one_trace_{field}_median"] / summary[f"two_traces_{field}_median"], 3
+        )
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
