@@ -284,7 +284,7 @@ def test_report_rows_and_write_back_name_the_slots():
     assert isinstance(merged, MultiHeadAttention) and merged.n_heads == H
     assert not np.allclose(merged.wk.weight, ref.wk.weight, atol=1e-5)
     state = pipe.state.parts[0]
-    np.testing.assert_array_equal(merged.wk.weight, state.wk.params.weight)
+    np.testing.assert_array_equal(merged.wk.weight, state.wk.params["weight"])
 
     fused = fusedpc.FusedPipeline(learning_attention(ref, True, optimiser))
     fused.step(batch(1), batch(2))

@@ -91,7 +91,7 @@ def test_state_and_metrics_are_named_and_nested_paths_are_joined():
     x = normal(2, (6, 4))
     _, state, _, _, new_state, metrics = _run(tree, x, normal(3, (6, 2)))
     assert isinstance(state, fusedpc.SequentialState) and len(state.parts) == 3
-    assert isinstance(state.parts[1].branch.parts[1].params.weight, jax.Array)
+    assert isinstance(state.parts[1].branch.parts[1].params["weight"], jax.Array)
     assert shapes_and_dtypes(new_state) == shapes_and_dtypes(state)
     assert [path for path, _ in iter_metrics(metrics)] == [
         "parts[0]",
@@ -117,7 +117,7 @@ def test_write_back_rebuilds_the_tree_from_a_state():
     assert isinstance(rebuilt, fusedpc.Sequential)
     assert isinstance(rebuilt.parts[1], fusedpc.Residual)
     np.testing.assert_array_equal(
-        np.asarray(rebuilt.parts[0].weight), np.asarray(new_state.parts[0].params.weight)
+        np.asarray(rebuilt.parts[0].weight), np.asarray(new_state.parts[0].params["weight"])
     )
     assert not np.array_equal(np.asarray(rebuilt.parts[0].weight), np.asarray(tree.parts[0].weight))
     assert rebuilt.parts[1].branch.params is new_state.parts[1].branch.params

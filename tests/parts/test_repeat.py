@@ -113,7 +113,7 @@ def test_state_is_stacked_and_blocks_start_from_their_own_weights():
     rep = Repeat.from_factory(mlp_block, 4, jr.key(0))
     state = rep.init_state(jr.key(1))
     assert isinstance(state, RepeatState)
-    stacked = state.blocks.branch.parts[0].params.weight
+    stacked = state.blocks.branch.parts[0].params["weight"]
     assert stacked.shape == (4, F, D)
     for i, block in enumerate(rep.blocks):
         assert_tree_allclose(stacked[i], block.branch.parts[0].weight)
@@ -179,8 +179,8 @@ def test_merge_returns_n_blocks_holding_the_state_slices():
         for j in (0, 2):
             params = pipe.state.blocks.branch.parts[j].params
             part = block.branch.parts[j]
-            assert_tree_allclose(part.weight, params.weight[i])
-            assert_tree_allclose(part.bias, params.bias[i])
+            assert_tree_allclose(part.weight, params["weight"][i])
+            assert_tree_allclose(part.bias, params["bias"][i])
             assert not np.allclose(part.weight, old.branch.parts[j].weight, atol=1e-5)
     # The merged tree's initial state restacks to the pipeline's parameters.
     restacked = merged.init_state(jr.key(1)).blocks.branch.parts

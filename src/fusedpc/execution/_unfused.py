@@ -10,16 +10,15 @@ travel between parts through the host's dispatch loop, as they would in an imple
 without a fused step.
 
 The arithmetic is the same as the fused step's, so one step of both gives the same state to
-float32 rounding; only the scheduling differs. The composite/leaf rule is structural (a part
-is a composite when one of its fields holds a part, or a tuple, list or dict of parts), so no
-concrete part type is named here; a composite with a static boolean field `unroll` (a scan over
-repeated blocks) is switched to its unrolled form, so that its blocks' leaves are dispatched
-one by one too.
+float32 rounding; only the scheduling differs. The tree is walked through the part protocol
+only, so no concrete part type is named here: a part is a composite when `children()` lists
+any, it is rebuilt with `replace_children`, and every part is first asked for its
+`unrolled()` form (a `Repeat` that scans its blocks unrolls them), so that the leaves of
+repeated blocks are dispatched one by one too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -28,26 +27,13 @@ import jax.numpy as jnp
 
 from fusedpc.core import losses as _errors
 from fusedpc.core._checks import check_part
-from fusedpc.core._part import AbstractPart, Core, PyTree, replace_fields
+from fusedpc.core._part import AbstractPart, Core, PyTree
 from fusedpc.execution._pipeline import NORMALISATIONS, copy_tree, normalise_active
 
 
-def _part_children(value: Any) -> bool:
-    """Whether a field value holds parts: a part, or a tuple/list/dict with a part in it."""
-    if isinstance(value, AbstractPart):
-        return True
-    if isinstance(value, list | tuple):
-        return any(isinstance(v, AbstractPart) for v in value)
-    if isinstance(value, dict):
-        return any(isinstance(v, AbstractPart) for v in value.values())
-    return False
-
-
 def is_composite(part: AbstractPart) -> bool:
-    """A part is a composite when any of its fields holds a part (or a collection of parts)."""
-    return any(
-        _part_children(getattr(part, f.name, None)) for f in dataclasses.fields(part)
-    )
+    """A part is a composite when it declares children (`AbstractPart.children()`)."""
+    return bool(part.children())
 
 
 class JitLeaf(AbstractPart):
@@ -79,38 +65,21 @@ class JitLeaf(AbstractPart):
         return Core(forward, backward, write_back)
 
 
-def _wrap_value(value: Any) -> Any:
-    if isinstance(value, AbstractPart):
-        return unfused(value)
-    if isinstance(value, list | tuple):
-        return type(value)(_wrap_value(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _wrap_value(v) for k, v in value.items()}
-    return value
-
-
 def unfused(tree: AbstractPart) -> AbstractPart:
     """The same tree with every leaf part wrapped in a `JitLeaf` (one jit per leaf part).
 
-    Composites are rebuilt around their wrapped children (their own `__init__` is not re-run);
-    a composite with a static boolean `unroll` field is set to unroll, so a scan over repeated
-    blocks becomes a Python loop whose leaves dispatch one by one.
+    Every part is replaced by its `unrolled()` form first (a scan over repeated blocks becomes
+    a Python loop whose leaves dispatch one by one); composites are then rebuilt around their
+    wrapped children with `replace_children` (their own `__init__` is not re-run).
     """
     check_part(tree, "unfused(tree)")
     if isinstance(tree, JitLeaf):
         return tree
-    if not is_composite(tree):
+    tree = tree.unrolled()
+    children = tree.children()
+    if not children:
         return JitLeaf(tree)
-    changes = {}
-    for f in dataclasses.fields(tree):
-        value = getattr(tree, f.name, None)
-        if _part_children(value):
-            changes[f.name] = _wrap_value(value)
-        elif (
-            f.name == "unroll" and f.metadata.get("static", False) and isinstance(value, bool)
-        ):
-            changes[f.name] = True
-    return replace_fields(tree, **changes)
+    return tree.replace_children([unfused(child) for _, child in children])
 
 
 class UnfusedPipeline:
@@ -208,18 +177,8 @@ class UnfusedPipeline:
 def _all_leaves_wrapped(tree: AbstractPart) -> bool:
     if isinstance(tree, JitLeaf):
         return True
-    if not is_composite(tree):
-        return False
-    children = []
-    for f in dataclasses.fields(tree):
-        value = getattr(tree, f.name, None)
-        if isinstance(value, AbstractPart):
-            children.append(value)
-        elif isinstance(value, list | tuple):
-            children.extend(v for v in value if isinstance(v, AbstractPart))
-        elif isinstance(value, dict):
-            children.extend(v for v in value.values() if isinstance(v, AbstractPart))
-    return all(_all_leaves_wrapped(c) for c in children)
+    children = tree.children()
+    return bool(children) and all(_all_leaves_wrapped(child) for _, child in children)
 
 
 __all__ = ["JitLeaf", "UnfusedPipeline", "is_composite", "unfused"]

@@ -11,7 +11,15 @@ import jax.numpy as jnp
 
 from fusedpc.core._checks import check_part, expect_rank
 from fusedpc.core._metrics import named
-from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
+from fusedpc.core._part import (
+    AbstractPart,
+    Core,
+    LinearParams,
+    PyTree,
+    display_path,
+    join_path,
+    replace_fields,
+)
 
 _SEPARATE = ("wq", "wk", "wv")
 _LAYOUT = "(batch, seq, features)"
@@ -27,12 +35,22 @@ class AttentionState(eqx.Module):
     wo: PyTree = None
 
 
+class AttentionSlotCaches(eqx.Module):
+    """The slots' own caches, one field per slot (the unused ones are None)."""
+
+    wq: PyTree = None
+    wk: PyTree = None
+    wv: PyTree = None
+    wqkv: PyTree = None
+    wo: PyTree = None
+
+
 class AttentionCache(eqx.Module):
     """What the backward reads: the slots' caches, Q as rows `(B, T, D)`, the heads
     `(B, H, T, d)` of K and V and the attention weights of each query tile (a tuple; one
     tile: `A` `(B, H, T, T)`; see `causal_mix_tiles`)."""
 
-    slots: dict[str, PyTree]
+    slots: AttentionSlotCaches
     q: jax.Array
     k: jax.Array
     v: jax.Array
@@ -309,6 +327,39 @@ class MultiHeadAttention(AbstractPart):
     def _slot_names(self) -> tuple[str, ...]:
         return ("wqkv", "wo") if self.fused else ("wq", "wk", "wv", "wo")
 
+    def children(self) -> tuple[tuple[str, AbstractPart], ...]:
+        """The slots in forward order: `wq`, `wk`, `wv`, `wo` (fused: `wqkv`, `wo`)."""
+        return tuple((name, getattr(self, name)) for name in self._slot_names())
+
+    def replace_children(self, children) -> MultiHeadAttention:
+        return replace_fields(self, **dict(zip(self._slot_names(), children, strict=True)))
+
+    def export_arrays(self, path: str = "") -> tuple[LinearParams, ...]:
+        """Four `LinearParams`, for $Q$, $K$, $V$ and the output, each slot's single affine
+        map (a fused `wqkv` `(3D, D)` is split into its three `(D, D)` thirds)."""
+
+        def one_linear(name: str) -> LinearParams:
+            where = join_path(path, name)
+            records = getattr(self, name).export_arrays(where)
+            if len(records) != 1 or not isinstance(records[0], LinearParams):
+                raise TypeError(
+                    f"{display_path(where)}: an attention slot must export exactly one "
+                    f"LinearParams, got {[type(r).__name__ for r in records]}."
+                )
+            return records[0]
+
+        if self.fused:
+            qkv = one_linear("wqkv")
+            width = qkv.weight.shape[0] // 3
+            thirds = [slice(j * width, (j + 1) * width) for j in range(3)]
+            projections = tuple(
+                LinearParams(qkv.weight[t], None if qkv.bias is None else qkv.bias[t])
+                for t in thirds
+            )
+        else:
+            projections = tuple(one_linear(name) for name in _SEPARATE)
+        return (*projections, one_linear("wo"))
+
     def init_state(self, key: jax.Array) -> AttentionState:
         names = self._slot_names()
         keys = jax.random.split(key, len(names))
@@ -370,25 +421,27 @@ class MultiHeadAttention(AbstractPart):
             q, k, v = (_split_heads(a, n_heads) for a in (q, k, v))
             context, weights = causal_mix_tiles(q, k, v, tiles)
             y, caches["wo"] = cores["wo"].forward(state.wo, _merge_heads(context))
-            return y, AttentionCache(slots=caches, q=q_rows, k=k, v=v, weights=weights)
+            return y, AttentionCache(
+                slots=AttentionSlotCaches(**caches), q=q_rows, k=k, v=v, weights=weights
+            )
 
         def backward(state: AttentionState, cache: AttentionCache, error):
             new_states, metrics = {}, {}
             d_context, new_states["wo"], metrics["wo"] = cores["wo"].backward(
-                state.wo, cache.slots["wo"], error
+                state.wo, cache.slots.wo, error
             )
             d_q, d_k, d_v = causal_mix_backward_rows(
                 cache.q, cache.k, cache.v, cache.weights, d_context, n_heads
             )
             if self.fused:
                 input_error, new_states["wqkv"], metrics["wqkv"] = cores["wqkv"].backward(
-                    state.wqkv, cache.slots["wqkv"], jnp.concatenate([d_q, d_k, d_v], axis=-1)
+                    state.wqkv, cache.slots.wqkv, jnp.concatenate([d_q, d_k, d_v], axis=-1)
                 )
             else:
                 input_error = None
                 for name, d in zip(_SEPARATE, (d_q, d_k, d_v)):
                     e, new_states[name], metrics[name] = cores[name].backward(
-                        getattr(state, name), cache.slots[name], d
+                        getattr(state, name), getattr(cache.slots, name), d
                     )
                     input_error = e if input_error is None else input_error + e
             ordered = named(**{name: metrics[name] for name in names})

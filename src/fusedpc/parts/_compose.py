@@ -9,10 +9,26 @@ import jax
 
 from fusedpc.core._checks import check_part
 from fusedpc.core._metrics import named
-from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
+from fusedpc.core._part import (
+    AbstractPart,
+    Core,
+    ExportRecord,
+    PyTree,
+    display_path,
+    join_path,
+    replace_fields,
+)
 
 
 class SequentialState(eqx.Module):
+    """State of a `Sequential`: the children's states, `parts[i]` for child `i`."""
+
+    parts: tuple[PyTree, ...]
+
+
+class SequentialCache(eqx.Module):
+    """What a `Sequential`'s backward reads: the children's caches, `parts[i]` for child `i`."""
+
     parts: tuple[PyTree, ...]
 
 
@@ -36,6 +52,26 @@ class Sequential(AbstractPart):
         """The chain's input is its first part's input."""
         self.parts[0].validate_input(x, join_path(path, "parts[0]"))
 
+    def children(self) -> tuple[tuple[str, AbstractPart], ...]:
+        return tuple((f"parts[{i}]", part) for i, part in enumerate(self.parts))
+
+    def replace_children(self, children) -> Sequential:
+        children = tuple(children)
+        if len(children) != len(self.parts):
+            raise ValueError(
+                f"Sequential.replace_children: expected {len(self.parts)} parts, got "
+                f"{len(children)}."
+            )
+        return replace_fields(self, parts=children)
+
+    def export_arrays(self, path: str = "") -> tuple[ExportRecord, ...]:
+        """The children's records, in order (a frozen linear, GELU, linear gives two)."""
+        return tuple(
+            record
+            for name, part in self.children()
+            for record in part.export_arrays(join_path(path, name))
+        )
+
     def init_state(self, key: jax.Array) -> SequentialState:
         keys = jax.random.split(key, len(self.parts))
         return SequentialState(tuple(p.init_state(k) for p, k in zip(self.parts, keys)))
@@ -49,14 +85,14 @@ class Sequential(AbstractPart):
             for core, sub in zip(cores, state.parts):
                 x, cache = core.forward(sub, x)
                 caches.append(cache)
-            return x, tuple(caches)
+            return x, SequentialCache(tuple(caches))
 
-        def backward(state: SequentialState, cache, error):
+        def backward(state: SequentialState, cache: SequentialCache, error):
             new_states = [None] * len(cores)
             metrics = [None] * len(cores)
             for i in reversed(range(len(cores))):
                 error, new_states[i], metrics[i] = cores[i].backward(
-                    state.parts[i], cache[i], error
+                    state.parts[i], cache.parts[i], error
                 )
             return error, SequentialState(tuple(new_states)), named(parts=tuple(metrics))
 
@@ -68,6 +104,8 @@ class Sequential(AbstractPart):
 
 
 class ResidualState(eqx.Module):
+    """State of a `Residual`: the branch's state."""
+
     branch: PyTree
 
 
@@ -85,6 +123,13 @@ class Residual(AbstractPart):
 
     def validate_input(self, x, path: str) -> None:
         self.branch.validate_input(x, join_path(path, "branch"))
+
+    def children(self) -> tuple[tuple[str, AbstractPart], ...]:
+        return (("branch", self.branch),)
+
+    def replace_children(self, children) -> Residual:
+        (branch,) = children
+        return replace_fields(self, branch=branch)
 
     def init_state(self, key: jax.Array) -> ResidualState:
         return ResidualState(self.branch.init_state(key))

@@ -23,6 +23,13 @@ class RepeatState(eqx.Module):
     blocks: PyTree
 
 
+class RepeatCache(eqx.Module):
+    """What a `Repeat`'s backward reads: the blocks' caches, stacked on a leading axis of size
+    N when scanned, a tuple of N caches when unrolled."""
+
+    blocks: PyTree
+
+
 def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic)
 
@@ -160,6 +167,16 @@ class Repeat(AbstractPart):
             raise ValueError(f"Repeat.from_factory: n must be an int >= 1, got {n!r}.")
         return cls([factory(k) for k in jax.random.split(key, n)], unroll=unroll)
 
+    def children(self) -> tuple[tuple[str, AbstractPart], ...]:
+        return tuple((f"[{i}]", block) for i, block in enumerate(self.blocks))
+
+    def replace_children(self, children) -> Repeat:
+        return replace_fields(self, blocks=tuple(children))
+
+    def unrolled(self) -> Repeat:
+        """This Repeat with its blocks run in a Python loop (same state layout)."""
+        return replace_fields(self, unroll=True)
+
     def init_state(self, key: jax.Array) -> RepeatState:
         keys = jax.random.split(key, len(self.blocks))
         states = [block.init_state(k) for block, k in zip(self.blocks, keys)]
@@ -205,19 +222,20 @@ class Repeat(AbstractPart):
                 for i, core in enumerate(cores):
                     x, cache = core.forward(_slice(state.blocks, i), x)
                     caches.append(cache)
-                return x, tuple(caches)
+                return x, RepeatCache(tuple(caches))
 
             def step(h, block_state):
                 return cores[0].forward(block_state, h)
 
-            return jax.lax.scan(step, x, state.blocks)
+            y, caches = jax.lax.scan(step, x, state.blocks)
+            return y, RepeatCache(caches)
 
-        def backward(state: RepeatState, cache, error):
+        def backward(state: RepeatState, cache: RepeatCache, error):
             if self.unroll:
                 new_states, metrics = [None] * n, [None] * n
                 for i in reversed(range(n)):
                     error, new_states[i], metrics[i] = cores[i].backward(
-                        _slice(state.blocks, i), cache[i], error
+                        _slice(state.blocks, i), cache.blocks[i], error
                     )
                 return error, RepeatState(blocks=_stack(new_states)), Stacked(_stack(metrics))
 
@@ -227,7 +245,7 @@ class Repeat(AbstractPart):
                 return e, (new_state, block_metrics)
 
             error, (new_states, metrics) = jax.lax.scan(
-                step, error, (state.blocks, cache), reverse=True
+                step, error, (state.blocks, cache.blocks), reverse=True
             )
             return error, RepeatState(blocks=new_states), Stacked(metrics)
 

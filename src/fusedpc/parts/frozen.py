@@ -129,11 +129,19 @@ def softmax() -> Frozen:
     return Frozen(_softmax_forward, _softmax_backward, None, name="softmax")
 
 
+class LayerNormCache(eqx.Module):
+    """What a LayerNorm's backward reads: `n_hat` $\\hat n$ `(..., D)` and `inv_std` $1/s$
+    `(..., 1)`."""
+
+    n_hat: jax.Array
+    inv_std: jax.Array
+
+
 def layer_norm_forward(params: LayerNormParams, x, eps: float):
     """Per row: $m$ = mean, $s = \\sqrt{\\mathrm{var} + \\epsilon}$ (biased variance),
     $\\hat n = (x - m)/s$, $y = \\gamma \\hat n + \\beta$ (`params.weight` $\\gamma$ and
     `params.bias` $\\beta$, each `(D,)` or None; `eps` $\\epsilon$ a Python float).
-    Returns `(y, (n_hat, 1/s))`."""
+    Returns `(y, LayerNormCache(n_hat, 1/s))`."""
     mean = jnp.mean(x, axis=-1, keepdims=True)
     centred = x - mean
     var = jnp.mean(centred * centred, axis=-1, keepdims=True)
@@ -144,13 +152,13 @@ def layer_norm_forward(params: LayerNormParams, x, eps: float):
         y = y * params.weight
     if params.bias is not None:
         y = y + params.bias
-    return y, (n_hat, inv_std)
+    return y, LayerNormCache(n_hat, inv_std)
 
 
-def layer_norm_input_error(weight, cache, error):
+def layer_norm_input_error(weight, cache: LayerNormCache, error):
     """$e_s = E \\odot \\gamma$; $\\partial L/\\partial x = (e_s - \\overline{e_s}
     - \\hat n\\, \\overline{e_s \\odot \\hat n}) / s$ (bars: means over the features)."""
-    n_hat, inv_std = cache
+    n_hat, inv_std = cache.n_hat, cache.inv_std
     scaled = error if weight is None else error * weight
     mean_e = jnp.mean(scaled, axis=-1, keepdims=True)
     mean_en = jnp.mean(scaled * n_hat, axis=-1, keepdims=True)

@@ -9,7 +9,10 @@ from fusedpc.transformer._build import build_gpt as build_gpt
 from fusedpc.transformer._build import hybrid_from_gpt as hybrid_from_gpt
 from fusedpc.transformer._build import to_reference as to_reference
 from fusedpc.transformer._generate import generate as generate
+from fusedpc.transformer._gpt import BlockCache as BlockCache
+from fusedpc.transformer._gpt import Blocks as Blocks
 from fusedpc.transformer._gpt import BlockState as BlockState
+from fusedpc.transformer._gpt import GPTCache as GPTCache
 from fusedpc.transformer._gpt import GPTPart as GPTPart
 from fusedpc.transformer._gpt import GPTState as GPTState
 from fusedpc.transformer._gpt import TransformerBlock as TransformerBlock

@@ -17,15 +17,12 @@ import jax
 import optax
 
 from fusedpc.core._checks import check_part
-from fusedpc.core._part import AbstractPart
+from fusedpc.core._part import AbstractPart, LayerNormParams, LinearParams, TableParams
 from fusedpc.parts import frozen, transplant
 from fusedpc.parts._attention import MultiHeadAttention
 from fusedpc.parts._compose import Sequential
-from fusedpc.parts._frozen import Frozen
 from fusedpc.parts._repeat import Repeat
-from fusedpc.parts.learning._embedding import LearningEmbedding, LearningLayerNorm
-from fusedpc.parts.learning._learning import LearningNetwork
-from fusedpc.transformer._gpt import GPTPart, TransformerBlock
+from fusedpc.transformer._gpt import Blocks, GPTPart, TransformerBlock
 from fusedpc.transformer.reference import GPT
 
 # `scan="auto"` unrolls this many blocks or fewer (see `hybrid_from_gpt`).
@@ -36,8 +33,8 @@ SCAN_CHOICES = (True, False, "auto")
 def blocks_form(scan: bool | str, n_blocks: int, where: str = "scan") -> str:
     """How `hybrid_from_gpt(scan=...)` runs `n_blocks` identical blocks: `"scanned"` (a
     `Repeat` in a `lax.scan`), `"unrolled"` (a `Repeat` unrolled) or `"tuple"` (independent
-    blocks). `where` names the setting in the error for a `scan` that is none of
-    `SCAN_CHOICES`."""
+    blocks in a `Blocks` chain; the name is kept from when they were a bare tuple). `where`
+    names the setting in the error for a `scan` that is none of `SCAN_CHOICES`."""
     if scan not in SCAN_CHOICES:
         raise ValueError(f"{where} must be True, False or 'auto', got {scan!r}.")
     if scan is False:
@@ -111,7 +108,7 @@ def hybrid_from_gpt(
     `norm_f`). Structurally identical blocks are held by a `Repeat` (their states stacked);
     `scan=True` runs them in a `lax.scan` (compile time flat in depth), `scan="auto"` (the
     default) unrolls the `Repeat` up to `AUTO_UNROLL_BLOCKS` blocks and scans beyond, and
-    `scan=False`, or blocks that differ, give a tuple of independent blocks.
+    `scan=False`, or blocks that differ, give a `Blocks` chain of independent blocks.
     `output="probabilities"` marks a categorical head.
 
     Why "auto": for a few blocks the unrolled program steps faster (on CPU the scan
@@ -146,12 +143,12 @@ def hybrid_from_gpt(
                 feed_forward=check_part(ff, f"{where}.feed_forward"),
             )
         )
-    stacked: Any = tuple(blocks)
+    stacked: AbstractPart = Blocks(blocks)
     if form != "tuple":
         try:
             stacked = Repeat(blocks, unroll=form == "unrolled")
         except (TypeError, ValueError):
-            stacked = tuple(blocks)  # blocks differ: run them unrolled
+            pass  # blocks differ: a `Blocks` chain runs them one after another
     return GPTPart(
         token=token_part or frozen.embedding(gpt.tok_emb),
         position=position_part or frozen.embedding(gpt.pos_emb),
@@ -173,7 +170,7 @@ class GPTConfig:
     `head_kind` `"gaussian"` outputs logits (error `softmax_cross_entropy`); `"categorical"`
     outputs probabilities (error `cross_entropy`); both give the cross-entropy gradient.
     `scan` is `hybrid_from_gpt`'s: `"auto"` (unrolled up to `AUTO_UNROLL_BLOCKS` blocks,
-    scanned beyond), `True` (always scanned) or `False` (a tuple of blocks).
+    scanned beyond), `True` (always scanned) or `False` (a `Blocks` chain).
     """
 
     vocab_size: int = 65
@@ -315,78 +312,70 @@ def build_gpt(
     return part, reference
 
 
-def _linear_arrays(part: Any, where: str) -> list[tuple[Any, Any]]:
-    """The `(weight, bias)` pairs of a slot, in forward order (frozen or learning)."""
-    if isinstance(part, LearningNetwork):
-        return list(zip(part.network.weights, part.network.biases))
-    if isinstance(part, Sequential):
-        return [pair for i, p in enumerate(part.parts)
-                for pair in _linear_arrays(p, f"{where}.parts[{i}]")]
-    if isinstance(part, Frozen):
-        params = part.params
-        if isinstance(params, dict) and "weight" in params and params["weight"].ndim == 2:
-            return [(params["weight"], params["bias"])]
-        return []
-    raise TypeError(f"to_reference: cannot read linear weights from {where} "
-                    f"({type(part).__name__}).")
+def _records(part: AbstractPart, path: str, kind: type, count: int) -> tuple:
+    """`part.export_arrays(path)`, checked to be `count` records of type `kind`."""
+    records = tuple(part.export_arrays(path))
+    if len(records) != count or not all(isinstance(r, kind) for r in records):
+        raise TypeError(
+            f"to_reference: {path} must export {count} {kind.__name__} record(s) for the "
+            f"reference GPT, got {[type(r).__name__ for r in records]}."
+        )
+    return records
 
 
-def _set_linear(linear, pair):
-    weight, bias = pair
-    linear = eqx.tree_at(lambda m: m.weight, linear, weight)
+def _set_linear(linear: eqx.nn.Linear, record: LinearParams) -> eqx.nn.Linear:
+    linear = eqx.tree_at(lambda m: m.weight, linear, record.weight)
     if linear.bias is not None:
-        linear = eqx.tree_at(lambda m: m.bias, linear, bias)
+        linear = eqx.tree_at(lambda m: m.bias, linear, record.bias)
     return linear
 
 
-def _norm_arrays(part: Any) -> tuple[Any, Any]:
-    if isinstance(part, LearningLayerNorm):
-        return part.weight, part.bias
-    return part.params["weight"], part.params["bias"]
-
-
-def _table(part: Any):
-    return part.table if isinstance(part, LearningEmbedding) else part.params["table"]
+def _set_norm(norm: eqx.nn.LayerNorm, record: LayerNormParams) -> eqx.nn.LayerNorm:
+    return eqx.tree_at(
+        lambda n: (n.weight, n.bias), norm, (record.weight, record.bias),
+        is_leaf=lambda x: x is None,
+    )
 
 
 def to_reference(part: GPTPart, reference: GPT) -> GPT:
     """The reference equinox GPT holding a GPT part's current weights (e.g. after
     `pipeline.merge()`), for use outside fusedpc or comparison with a backprop twin.
 
-    `reference` gives the architecture (any GPT of the same sizes).
+    `reference` gives the architecture (any GPT of the same sizes). Every slot is read through
+    `AbstractPart.export_arrays`: the embeddings as one `TableParams` each, each LayerNorm as one
+    `LayerNormParams`, the attention as four `LinearParams` (Q, K, V, output), the feed-forward
+    as two (`fc1`, `fc2`) and the head as one; so a part type of your own in any slot exports
+    by implementing that method. A slot that cannot raises a `TypeError` naming its path.
     """
+    blocks = [block for _, block in part.blocks.children()]
+    if len(blocks) != len(reference.blocks):
+        raise ValueError(
+            f"to_reference: the part has {len(blocks)} blocks, the reference GPT "
+            f"{len(reference.blocks)}; pass a reference of the same sizes."
+        )
     model = reference
-    model = eqx.tree_at(lambda m: m.tok_emb.weight, model, _table(part.token))
-    model = eqx.tree_at(lambda m: m.pos_emb.weight, model, _table(part.position))
-    blocks = part.blocks.blocks if isinstance(part.blocks, Repeat) else part.blocks
+    (token,) = _records(part.token, "token", TableParams, 1)
+    (position,) = _records(part.position, "position", TableParams, 1)
+    model = eqx.tree_at(lambda m: m.tok_emb.weight, model, token.table)
+    model = eqx.tree_at(lambda m: m.pos_emb.weight, model, position.table)
     new_blocks = []
     for i, (block, ref) in enumerate(zip(blocks, model.blocks)):
-        attn = block.attention
-        if attn.wqkv is not None:
-            (weight, bias), = _linear_arrays(attn.wqkv, f"blocks[{i}].attention.wqkv")
-            width = weight.shape[1]
-            pairs = [
-                (weight[j * width:(j + 1) * width],
-                 None if bias is None else bias[j * width:(j + 1) * width])
-                for j in range(3)
-            ]
-        else:
-            pairs = [_linear_arrays(getattr(attn, n), f"blocks[{i}].attention.{n}")[0]
-                     for n in ("wq", "wk", "wv")]
-        pairs.append(_linear_arrays(attn.wo, f"blocks[{i}].attention.wo")[0])
+        where = f"blocks[{i}]"
+        projections = _records(block.attention, f"{where}.attention", LinearParams, 4)
         new_attn = ref.attn
-        for name, pair in zip(("wq", "wk", "wv", "wo"), pairs):
+        for name, record in zip(("wq", "wk", "wv", "wo"), projections):
             new_attn = eqx.tree_at(lambda a, n=name: getattr(a, n), new_attn,
-                                   _set_linear(getattr(new_attn, name), pair))
-        fc1, fc2 = _linear_arrays(block.feed_forward, f"blocks[{i}].feed_forward")
+                                   _set_linear(getattr(new_attn, name), record))
+        fc1, fc2 = _records(block.feed_forward, f"{where}.feed_forward", LinearParams, 2)
         ff = eqx.tree_at(lambda f: (f.fc1, f.fc2), ref.ff,
                          (_set_linear(ref.ff.fc1, fc1), _set_linear(ref.ff.fc2, fc2)))
-        n1 = eqx.tree_at(lambda n: (n.weight, n.bias), ref.n1, _norm_arrays(block.n1))
-        n2 = eqx.tree_at(lambda n: (n.weight, n.bias), ref.n2, _norm_arrays(block.n2))
+        (n1,) = _records(block.n1, f"{where}.n1", LayerNormParams, 1)
+        (n2,) = _records(block.n2, f"{where}.n2", LayerNormParams, 1)
         new_blocks.append(eqx.tree_at(lambda b: (b.attn, b.ff, b.n1, b.n2), ref,
-                                      (new_attn, ff, n1, n2)))
+                                      (new_attn, ff, _set_norm(ref.n1, n1),
+                                       _set_norm(ref.n2, n2))))
     model = eqx.tree_at(lambda m: m.blocks, model, tuple(new_blocks))
-    model = eqx.tree_at(lambda m: (m.norm_f.weight, m.norm_f.bias), model,
-                        _norm_arrays(part.norm_f))
-    (head,) = _linear_arrays(part.head, "head")
+    (norm_f,) = _records(part.norm_f, "norm_f", LayerNormParams, 1)
+    model = eqx.tree_at(lambda m: m.norm_f, model, _set_norm(model.norm_f, norm_f))
+    (head,) = _records(part.head, "head", LinearParams, 1)
     return eqx.tree_at(lambda m: m.head, model, _set_linear(model.head, head))

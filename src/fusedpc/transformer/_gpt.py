@@ -20,11 +20,26 @@ import jax
 import jax.numpy as jnp
 
 from fusedpc.core._checks import check_ids, check_part, expect_rank
-from fusedpc.core._metrics import named
+from fusedpc.core._metrics import Named, named
 from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
+from fusedpc.parts._compose import SequentialCache
+
+_BLOCK_SLOTS = ("n1", "attention", "n2", "feed_forward")
+_GPT_SLOTS = ("token", "position", "blocks", "norm_f", "head")
 
 
 class BlockState(eqx.Module):
+    """State of a `TransformerBlock`: one field per slot."""
+
+    n1: PyTree
+    attention: PyTree
+    n2: PyTree
+    feed_forward: PyTree
+
+
+class BlockCache(eqx.Module):
+    """What a `TransformerBlock`'s backward reads: each slot's cache."""
+
     n1: PyTree
     attention: PyTree
     n2: PyTree
@@ -50,6 +65,12 @@ class TransformerBlock(AbstractPart):
         self.n2 = check_part(n2, "TransformerBlock.n2")
         self.feed_forward = check_part(feed_forward, "TransformerBlock.feed_forward")
 
+    def children(self) -> tuple[tuple[str, AbstractPart], ...]:
+        return tuple((name, getattr(self, name)) for name in _BLOCK_SLOTS)
+
+    def replace_children(self, children) -> TransformerBlock:
+        return replace_fields(self, **dict(zip(_BLOCK_SLOTS, children, strict=True)))
+
     def init_state(self, key: jax.Array) -> BlockState:
         k1, k2, k3, k4 = jax.random.split(key, 4)
         return BlockState(
@@ -60,7 +81,7 @@ class TransformerBlock(AbstractPart):
         )
 
     def compile(self, path: str) -> Core:
-        names = ("n1", "attention", "n2", "feed_forward")
+        names = _BLOCK_SLOTS
         cores = {n: getattr(self, n).compile(join_path(path, n)) for n in names}
 
         def forward(state: BlockState, x):
@@ -69,10 +90,10 @@ class TransformerBlock(AbstractPart):
             h = x + a
             f, c_n2 = cores["n2"].forward(state.n2, h)
             f, c_ff = cores["feed_forward"].forward(state.feed_forward, f)
-            return h + f, (c_n1, c_attn, c_n2, c_ff)
+            return h + f, BlockCache(c_n1, c_attn, c_n2, c_ff)
 
-        def backward(state: BlockState, cache, error):
-            c_n1, c_attn, c_n2, c_ff = cache
+        def backward(state: BlockState, cache: BlockCache, error):
+            c_n1, c_attn, c_n2, c_ff = cache.n1, cache.attention, cache.n2, cache.feed_forward
             e, s_ff, m_ff = cores["feed_forward"].backward(state.feed_forward, c_ff, error)
             e, s_n2, m_n2 = cores["n2"].backward(state.n2, c_n2, e)
             e_h = error + e
@@ -89,7 +110,78 @@ class TransformerBlock(AbstractPart):
         return Core(forward, backward, write_back)
 
 
+class Blocks(AbstractPart):
+    """Blocks that differ, applied in order: $h_{i+1} = \\mathrm{block}_i(h_i)$.
+
+    The chain that `hybrid_from_gpt` builds for blocks that cannot be stacked in a `Repeat`
+    (or for `scan=False`). Backward in reverse, $E_i = \\mathrm{block}_i^\\top(E_{i+1})$.
+    Children are named `[i]` (report rows read `blocks[0].feed_forward`, as for a `Repeat`)
+    and its state is the tuple of the blocks' states, the layout that GPT checkpoints had when
+    a GPT held a bare tuple of blocks, so those checkpoints still load. Its cache is a
+    `SequentialCache`.
+    """
+
+    blocks: tuple[AbstractPart, ...]
+
+    def __init__(self, blocks):
+        blocks = tuple(blocks)
+        if not blocks:
+            raise ValueError("Blocks: needs at least one block, got none.")
+        self.blocks = tuple(check_part(b, f"Blocks[{i}]") for i, b in enumerate(blocks))
+
+    def children(self) -> tuple[tuple[str, AbstractPart], ...]:
+        return tuple((f"[{i}]", block) for i, block in enumerate(self.blocks))
+
+    def replace_children(self, children) -> Blocks:
+        return replace_fields(self, blocks=tuple(children))
+
+    def validate_input(self, x: Any, path: str) -> None:
+        self.blocks[0].validate_input(x, join_path(path, "[0]"))
+
+    def init_state(self, key: jax.Array) -> tuple[PyTree, ...]:
+        keys = jax.random.split(key, len(self.blocks))
+        return tuple(b.init_state(k) for b, k in zip(self.blocks, keys))
+
+    def compile(self, path: str) -> Core:
+        cores = [b.compile(join_path(path, name)) for name, b in self.children()]
+
+        def forward(state: tuple[PyTree, ...], x):
+            caches = []
+            for core, sub in zip(cores, state):
+                x, cache = core.forward(sub, x)
+                caches.append(cache)
+            return x, SequentialCache(tuple(caches))
+
+        def backward(state: tuple[PyTree, ...], cache: SequentialCache, error):
+            new_states, metrics = [None] * len(cores), [None] * len(cores)
+            for i in reversed(range(len(cores))):
+                error, new_states[i], metrics[i] = cores[i].backward(
+                    state[i], cache.parts[i], error
+                )
+            names = tuple(name for name, _ in self.children())
+            return error, tuple(new_states), Named(names, tuple(metrics))
+
+        def write_back(state: tuple[PyTree, ...]) -> Blocks:
+            return replace_fields(
+                self, blocks=tuple(c.write_back(s) for c, s in zip(cores, state))
+            )
+
+        return Core(forward, backward, write_back)
+
+
 class GPTState(eqx.Module):
+    """State of a `GPTPart`: one field per slot (`blocks` is the blocks part's state)."""
+
+    token: PyTree
+    position: PyTree
+    blocks: PyTree
+    norm_f: PyTree
+    head: PyTree
+
+
+class GPTCache(eqx.Module):
+    """What a `GPTPart`'s backward reads: each slot's cache."""
+
     token: PyTree
     position: PyTree
     blocks: PyTree
@@ -104,8 +196,9 @@ class GPTPart(AbstractPart):
         token: a part mapping ids `(B, T)` to `(B, T, D)` (`frozen.embedding(table)` or a
             `LearningEmbedding`).
         position: the same for positions `0..T-1` (`(T,)` ids to `(T, D)`).
-        blocks: a `Repeat` of `TransformerBlock`s (scanned), or a tuple of blocks (unrolled,
-            for blocks that differ).
+        blocks: the blocks as one part: a `Repeat` of `TransformerBlock`s (stacked state,
+            scanned or unrolled) or a `Blocks` chain (for blocks that differ). A tuple or list
+            of blocks is wrapped in a `Blocks`.
         norm_f, head: the final LayerNorm and the head (any parts).
         vocab_size, max_len: checked against the ids before anything is compiled.
         output: `"logits"` or `"probabilities"` (a categorical learning head); `generate` reads it.
@@ -113,7 +206,7 @@ class GPTPart(AbstractPart):
 
     token: AbstractPart
     position: AbstractPart
-    blocks: Any
+    blocks: AbstractPart
     norm_f: AbstractPart
     head: AbstractPart
     vocab_size: int = eqx.field(static=True)
@@ -125,10 +218,8 @@ class GPTPart(AbstractPart):
         self.token = check_part(token, "GPTPart.token")
         self.position = check_part(position, "GPTPart.position")
         if isinstance(blocks, list | tuple):
-            blocks = tuple(check_part(b, f"GPTPart.blocks[{i}]") for i, b in enumerate(blocks))
-        else:
-            check_part(blocks, "GPTPart.blocks")
-        self.blocks = blocks
+            blocks = Blocks(blocks)
+        self.blocks = check_part(blocks, "GPTPart.blocks")
         self.norm_f = check_part(norm_f, "GPTPart.norm_f")
         self.head = check_part(head, "GPTPart.head")
         self.vocab_size = int(vocab_size)
@@ -138,6 +229,12 @@ class GPTPart(AbstractPart):
                 f"GPTPart: output must be 'logits' or 'probabilities', got {output!r}."
             )
         self.output = output
+
+    def children(self) -> tuple[tuple[str, AbstractPart], ...]:
+        return tuple((name, getattr(self, name)) for name in _GPT_SLOTS)
+
+    def replace_children(self, children) -> GPTPart:
+        return replace_fields(self, **dict(zip(_GPT_SLOTS, children, strict=True)))
 
     def validate_input(self, x: Any, path: str) -> None:
         shape = tuple(jnp.shape(x)) if not isinstance(x, jax.ShapeDtypeStruct) else x.shape
@@ -154,15 +251,10 @@ class GPTPart(AbstractPart):
 
     def init_state(self, key: jax.Array) -> GPTState:
         keys = jax.random.split(key, 5)
-        if isinstance(self.blocks, tuple):
-            block_keys = jax.random.split(keys[2], len(self.blocks))
-            blocks = tuple(b.init_state(k) for b, k in zip(self.blocks, block_keys))
-        else:
-            blocks = self.blocks.init_state(keys[2])
         return GPTState(
             self.token.init_state(keys[0]),
             self.position.init_state(keys[1]),
-            blocks,
+            self.blocks.init_state(keys[2]),
             self.norm_f.init_state(keys[3]),
             self.head.init_state(keys[4]),
         )
@@ -170,15 +262,9 @@ class GPTPart(AbstractPart):
     def compile(self, path: str) -> Core:
         token = self.token.compile(join_path(path, "token"))
         position = self.position.compile(join_path(path, "position"))
-        if isinstance(self.blocks, tuple):
-            block_cores = [
-                b.compile(join_path(path, f"blocks[{i}]")) for i, b in enumerate(self.blocks)
-            ]
-        else:
-            block_cores = self.blocks.compile(join_path(path, "blocks"))
+        blocks = self.blocks.compile(join_path(path, "blocks"))
         norm_f = self.norm_f.compile(join_path(path, "norm_f"))
         head = self.head.compile(join_path(path, "head"))
-        unrolled = isinstance(block_cores, list)
 
         def forward(state: GPTState, ids):
             expect_rank(path, ids, 2, "(batch, seq) of token ids")
@@ -195,47 +281,30 @@ class GPTPart(AbstractPart):
             tok, c_tok = token.forward(state.token, ids)
             pos, c_pos = position.forward(state.position, jnp.arange(seq, dtype=jnp.int32))
             h = tok + pos[None]
-            if unrolled:
-                c_blocks = []
-                for core, s in zip(block_cores, state.blocks):
-                    h, c = core.forward(s, h)
-                    c_blocks.append(c)
-            else:
-                h, c_blocks = block_cores.forward(state.blocks, h)
+            h, c_blocks = blocks.forward(state.blocks, h)
             h, c_norm = norm_f.forward(state.norm_f, h)
             out, c_head = head.forward(state.head, h)
-            return out, (c_tok, c_pos, c_blocks, c_norm, c_head)
+            return out, GPTCache(c_tok, c_pos, c_blocks, c_norm, c_head)
 
-        def backward(state: GPTState, cache, error):
-            c_tok, c_pos, c_blocks, c_norm, c_head = cache
-            e, s_head, m_head = head.backward(state.head, c_head, error)
-            e, s_norm, m_norm = norm_f.backward(state.norm_f, c_norm, e)
-            if unrolled:
-                s_blocks, m_blocks = [None] * len(block_cores), [None] * len(block_cores)
-                for i in reversed(range(len(block_cores))):
-                    e, s_blocks[i], m_blocks[i] = block_cores[i].backward(
-                        state.blocks[i], c_blocks[i], e
-                    )
-                s_blocks, m_blocks = tuple(s_blocks), tuple(m_blocks)
-            else:
-                e, s_blocks, m_blocks = block_cores.backward(state.blocks, c_blocks, e)
-            _, s_tok, m_tok = token.backward(state.token, c_tok, e)
-            _, s_pos, m_pos = position.backward(state.position, c_pos, jnp.mean(e, axis=0))
+        def backward(state: GPTState, cache: GPTCache, error):
+            e, s_head, m_head = head.backward(state.head, cache.head, error)
+            e, s_norm, m_norm = norm_f.backward(state.norm_f, cache.norm_f, e)
+            e, s_blocks, m_blocks = blocks.backward(state.blocks, cache.blocks, e)
+            _, s_tok, m_tok = token.backward(state.token, cache.token, e)
+            _, s_pos, m_pos = position.backward(
+                state.position, cache.position, jnp.mean(e, axis=0)
+            )
             metrics = named(
                 token=m_tok, position=m_pos, blocks=m_blocks, norm_f=m_norm, head=m_head
             )
             return e, GPTState(s_tok, s_pos, s_blocks, s_norm, s_head), metrics
 
         def write_back(state: GPTState) -> GPTPart:
-            if unrolled:
-                blocks = tuple(c.write_back(s) for c, s in zip(block_cores, state.blocks))
-            else:
-                blocks = block_cores.write_back(state.blocks)
             return replace_fields(
                 self,
                 token=token.write_back(state.token),
                 position=position.write_back(state.position),
-                blocks=blocks,
+                blocks=blocks.write_back(state.blocks),
                 norm_f=norm_f.write_back(state.norm_f),
                 head=head.write_back(state.head),
             )

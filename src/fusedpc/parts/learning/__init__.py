@@ -8,6 +8,7 @@ from fusedpc.parts.learning._embedding import LearningEmbedding as LearningEmbed
 from fusedpc.parts.learning._embedding import LearningLayerNorm as LearningLayerNorm
 from fusedpc.parts.learning._learning import LearningNetwork as LearningNetwork
 from fusedpc.parts.learning._learning import LearningNetworkState as LearningNetworkState
+from fusedpc.parts.learning._learning import NetworkCache as NetworkCache
 from fusedpc.parts.learning._learning import NetworkParams as NetworkParams
 from fusedpc.parts.learning._local_update import LEARNING_KINDS as LEARNING_KINDS
 from fusedpc.parts.learning._local_update import SynapticSettings as SynapticSettings

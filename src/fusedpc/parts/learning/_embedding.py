@@ -229,7 +229,7 @@ class LearningLayerNorm(AbstractPart):
             return layer_norm_forward(state.params, x, eps)
 
         def backward(state: LayerNormState, cache, error):
-            n_hat, _ = cache
+            n_hat = cache.n_hat
             input_error = layer_norm_input_error(state.params.weight, cache, error)
             rows_e = error.reshape(-1, width)
             rows_n = n_hat.reshape(-1, width)

@@ -57,6 +57,18 @@ class NetworkParams(eqx.Module):
     biases: tuple[jax.Array | None, ...]
 
 
+class NetworkCache(eqx.Module):
+    """What a `LearningNetwork`'s backward reads, per row: `x` (the input rows `(R, in)`, None
+    for an identity input activation), `activations` $a_l$ (`(R, n_l)`, input first),
+    `pre_activations` $\\hat z_l$ of the hidden layers and `output` (the head's output, None
+    for a gaussian head)."""
+
+    x: jax.Array | None
+    activations: tuple[jax.Array, ...]
+    pre_activations: tuple[jax.Array, ...]
+    output: jax.Array | None
+
+
 class LearningNetworkState(eqx.Module):
     """State of a `LearningNetwork`.
 
@@ -195,15 +207,15 @@ class LearningNetwork(AbstractPart):
                     a = acts[l + 1].value(z)
                     activations.append(a)
             out = net.apply_head(z)
-            cache = {
-                "x": None if input_is_identity else rows,
-                "activations": tuple(activations),
-                "pre_activations": tuple(pre_activations),
-                "output": out if net.head != "gaussian" else None,
-            }
+            cache = NetworkCache(
+                x=None if input_is_identity else rows,
+                activations=tuple(activations),
+                pre_activations=tuple(pre_activations),
+                output=out if net.head != "gaussian" else None,
+            )
             return out.reshape(*lead, net.sizes[-1]), cache
 
-        def backward(state: LearningNetworkState, cache, error):
+        def backward(state: LearningNetworkState, cache: NetworkCache, error):
             lead = error.shape[:-1]
             err = error.reshape(-1, net.sizes[-1])
             n_rows = err.shape[0]
@@ -214,7 +226,7 @@ class LearningNetwork(AbstractPart):
                 curvature = jnp.broadcast_to(precisions[-1], err.shape)
             else:
                 message = err
-                out = cache["output"]
+                out = cache.output
                 curvature = out * (1.0 - out)
             child_factor = err if kind == "standard" else message
             importance = curvature  # Gauss-Newton diagonal, seeds the synaptic importance
@@ -225,7 +237,7 @@ class LearningNetwork(AbstractPart):
             increments_b = [None] * n_mats
             new_precisions = list(precisions)
             for l in reversed(range(n_mats)):
-                a = cache["activations"][l]
+                a = cache.activations[l]
                 grads_w[l] = (k / n_rows) * (child_factor.T @ a)
                 if b[l] is not None:
                     grads_b[l] = (k / n_rows) * jnp.sum(child_factor, axis=0)
@@ -239,9 +251,9 @@ class LearningNetwork(AbstractPart):
                     if input_is_identity:
                         input_error = back
                     else:
-                        input_error = acts[0].first(cache["x"]) * back
+                        input_error = acts[0].first(cache.x) * back
                     break
-                z = cache["pre_activations"][l - 1]
+                z = cache.pre_activations[l - 1]
                 first = acts[l].first(z)
                 pi = precisions[l - 1]
                 routed = first * back
@@ -306,4 +318,4 @@ class LearningNetwork(AbstractPart):
         return Core(forward, backward, write_back)
 
 
-__all__ = ["LearningNetwork", "LearningNetworkState", "NetworkParams"]
+__all__ = ["LearningNetwork", "LearningNetworkState", "NetworkCache", "NetworkParams"]
