@@ -167,7 +167,7 @@ def test_scan_auto_unrolls_few_blocks_and_scans_many(key):
     assert isinstance(few, fusedpc.Repeat) and few.unroll
     assert isinstance(many, fusedpc.Repeat) and not many.unroll
     assert not blocks(2, scan=True).unroll
-    assert isinstance(blocks(2, scan=False), tuple)
+    assert isinstance(blocks(2, scan=False), fusedpc.transformer.Blocks)
     # the unrolled Repeat keeps the scanned one's state layout: its states load into it
     scanned = fusedpc.FusedPipeline(blocks(2, scan=True))
     unrolled = fusedpc.FusedPipeline(blocks(2))
