@@ -18,7 +18,7 @@ from typing import Any
 from fusedpc.parts.learning._local_update import LEARNING_KINDS
 from fusedpc.training import data
 from fusedpc.training._optimisers import OPTIMISERS
-from fusedpc.transformer._build import SCAN_CHOICES, SLOTS, GPTConfig
+from fusedpc.transformer._build import SLOTS, GPTConfig
 
 TOKENIZERS = ("char", "byte")
 SYNAPTIC = "synaptic_uncertainty"
@@ -241,10 +241,6 @@ def config_from_settings(
     return dataclasses.replace(base, model=_model_from(base.model, model), **run)
 
 
-SETTINGS: dict[str, Any] = {}
-"""Every flat setting and its default, in the order of `SECTIONS`."""
-
-
 def _settings_defaults() -> dict[str, Any]:
     default = TrainConfig()
     run = {name: getattr(default, name) for name in _RUN_FIELDS}
@@ -253,7 +249,8 @@ def _settings_defaults() -> dict[str, Any]:
     return {name: model[name] if name in model else run[name] for name in order}
 
 
-SETTINGS.update(_settings_defaults())
+SETTINGS: dict[str, Any] = _settings_defaults()
+"""Every flat setting and its default, in the order of `SECTIONS`."""
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("text", "tokenizer", "validation_fraction"),
@@ -292,7 +289,7 @@ def coerce_settings(settings: dict[str, Any], where: str) -> dict[str, Any]:
             raise ValueError(f"{where}: unknown setting {name!r}; known: {', '.join(_TYPES)}.")
         kind = _TYPES[name]
         if name == "scan":
-            if value not in SCAN_CHOICES or (not isinstance(value, bool) and value != "auto"):
+            if not (isinstance(value, bool) or value == "auto"):
                 raise ValueError(f"{where}: scan must be true, false or 'auto', got {value!r}.")
             out[name] = value
             continue

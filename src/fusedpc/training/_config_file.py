@@ -102,7 +102,19 @@ def config_to_toml(config: TrainConfig) -> str:
 def resolve_config(
     file: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None
 ) -> TrainConfig:
-    """Defaults, then the config `file`, then `overrides`; validated."""
+    """The defaults, then the config `file`, then `overrides`; validated.
+
+    Args:
+        file: a TOML config file (`read_config_file`), or None.
+        overrides: flat settings named as the file's keys (`{"n_heads": 8, "steps": 500}`);
+            the names of fusedpc 0.1 (`heads`, `blocks`, `seq`) with a `DeprecationWarning`.
+
+    Returns:
+        The `TrainConfig`.
+
+    Raises:
+        ValueError: an unknown setting, a value of the wrong type or an invalid config.
+    """
     settings: dict[str, Any] = {}
     if file is not None:
         settings.update(read_config_file(file))
@@ -112,11 +124,25 @@ def resolve_config(
     return config
 
 
-def resume_config(run_dir: str | os.PathLike, overrides: dict[str, Any] | None = None):
+def resume_config(
+    run_dir: str | os.PathLike, overrides: dict[str, Any] | None = None
+) -> TrainConfig:
     """The config of the run in `run_dir`, with the `overrides` a resumed run may change.
 
     Changing anything outside `RESUMABLE` (the model, the data, the optimiser, the seed, the
     batch) would make the continuation differ from an uninterrupted run, and is refused.
+    A `config.toml` written by fusedpc 0.1 (keys `heads`, `blocks`, `seq`) is read too.
+
+    Args:
+        run_dir: the folder of a run `fusedpc train` wrote.
+        overrides: flat settings, as for `resolve_config`.
+
+    Returns:
+        The `TrainConfig` to continue with.
+
+    Raises:
+        FileNotFoundError: `run_dir` or its `config.toml` or `checkpoint.fpc` is missing.
+        ValueError: an override outside `RESUMABLE` that differs from the saved setting.
     """
     run_dir = os.fspath(run_dir)
     if not os.path.isdir(run_dir):

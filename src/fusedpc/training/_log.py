@@ -11,7 +11,18 @@ LOG_NAME = "log.jsonl"
 
 
 def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a JSONL log, in order; a `ValueError` names a malformed line."""
+    """The records of a JSONL log (`log.jsonl` of a run), in order.
+
+    Args:
+        path: the log file.
+
+    Returns:
+        One dict per non-empty line.
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+        ValueError: a line that is not a JSON object; the message names its number.
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no log file at {path!r}")
