@@ -138,6 +138,24 @@ def test_resume_continues_bit_for_bit(train_cli, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_a_run_folder_of_fusedpc_0_1_resumes_bit_for_bit(train_cli, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert train_cli("--steps", "10", "--out", str(whole)) == 0
+    assert train_cli("--steps", "5", "--out", str(split)) == 0
+    text = (split / "config.toml").read_text()  # as fusedpc 0.1 wrote it: heads, blocks, seq
+    for old, new in _config.RENAMED.items():
+        text = text.replace(f"\n{new} = ", f"\n{old} = ")
+    text = "\n".join(line for line in text.splitlines()
+                     if line.split(" = ")[0] not in ("fused_qkv", "hidden_precision", "scan"))
+    (split / "config.toml").write_text(text)
+    with pytest.warns(DeprecationWarning, match="'heads' is now 'n_heads'"):
+        assert main(["train", "--resume", str(split), "--steps", "10"]) == 0
+    assert [(r["step"], r["loss"]) for r in _records(split, "train")] == [
+        (r["step"], r["loss"]) for r in _records(whole, "train")
+    ]
+    assert "n_heads = 2" in (split / "config.toml").read_text()  # rewritten in the new names
+
+
 def test_interrupt_saves_a_checkpoint_and_the_files(cache, tmp_path):
     _runtime.enable_compile_cache(cache)
     config = _config_file.resolve_config(TINY, {"steps": 30})
