@@ -23,7 +23,6 @@ from jax.sharding import PartitionSpec
 
 import fusedpc
 from fusedpc.execution import _sharding
-from fusedpc.training import emulate_cpu_devices
 
 WORKER = Path(__file__).with_name("_sharding_worker.py")
 # Every subprocess compiles the tiny GPT's step from scratch; LLVM's optimisation passes are a
@@ -210,17 +209,6 @@ def test_emulate_cpu_devices_before_and_after_jax_starts():
     assert r["after_start_too_many"].startswith("RuntimeError: emulate_cpu_devices(4)")
     assert "already started with 3 CPU device(s)" in r["after_start_too_many"]
     assert r["mesh_too_big"].startswith("ValueError: data_mesh: n_devices")
-
-
-def test_emulate_cpu_devices_in_this_process_checks_only():
-    have = len(jax.devices("cpu"))
-    flags = os.environ.get("XLA_FLAGS")
-    emulate_cpu_devices(have)  # already started with enough: a no-op
-    assert os.environ.get("XLA_FLAGS") == flags
-    with pytest.raises(RuntimeError, match="already started"):
-        emulate_cpu_devices(have + 1)
-    with pytest.raises(ValueError, match="n must be >= 1"):
-        emulate_cpu_devices(0)
 
 
 # --------------------------------------------------------------------------- helpers in-process
