@@ -162,3 +162,27 @@ def test_pipeline_step_keeps_state_and_does_not_retrace(name):
     merged = pipeline.merge()
     assert type(merged) is type(ref.part)
     assert shapes_and_dtypes(merged.init_state(jax.random.key(0))) == before
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_children_round_trip_and_export_either_works_or_names_the_path(name):
+    """`replace_children(children())` rebuilds an equal part; every child's name is the path
+    that `compile` gives it (its report rows start with it); `export_arrays` returns records
+    or raises a `TypeError` that starts with the path."""
+    part = _reference(name).part
+    children = part.children()
+    rebuilt = part.replace_children([child for _, child in children])
+    assert bool(eqx.tree_equal(rebuilt, part))
+    assert bool(eqx.tree_equal(part.unrolled().init_state(jax.random.key(0)),
+                               part.init_state(jax.random.key(0))))
+    rows = fusedpc.core.report_rows(_reference(name).metrics)
+    names = [n for n, _ in children]
+    for row in rows:
+        if names:
+            assert any(row["part"].startswith(n) for n in names), (row["part"], names)
+    try:
+        records = part.export_arrays("slot")
+    except TypeError as err:
+        assert str(err).startswith("slot"), str(err)
+    else:
+        assert all(isinstance(r, fusedpc.core.ExportRecord) for r in records)
