@@ -8,10 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
-from fusedpc.training import OPTIMISERS
-
-# Private until `fusedpc.training` exports it: the allocator modes `--host-memory` takes.
-from fusedpc.training._host_memory import HOST_MEMORY_MODES
+from fusedpc.training import HOST_MEMORY_MODES, OPTIMISERS
 
 VARIANTS = ("fused", "fused_run", "unfused", "backprop")
 """The variants measured by default (one depth)."""

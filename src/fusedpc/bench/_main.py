@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main()
     here = args.in_process or args.interleave
     if here:
-        from fusedpc.training._host_memory import host_memory_choice  # private until exported
+        from fusedpc.training import host_memory_choice
 
         host_memory_choice(args.host_memory, step_temporaries(args))
         # jax runs here: ask for the devices before it starts its backend (in-process it may

@@ -18,7 +18,7 @@ from fusedpc.bench._args import BenchArgs
 
 # Private until `fusedpc.training` exports them: the estimate of a step's temporaries and the
 # `--host-memory` decision that `fusedpc train` makes too.
-from fusedpc.training._host_memory import gpt_step_temporaries, wants_host_memory_reuse
+from fusedpc.training import gpt_step_temporaries, wants_host_memory_reuse
 
 
 def run_task(args: BenchArgs, task: str, blocks: int) -> dict[str, Any]:

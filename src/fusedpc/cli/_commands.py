@@ -6,7 +6,7 @@ import argparse
 import os
 
 from fusedpc.cli._flags import CONFIG_FLAGS, setting_name
-from fusedpc.training._host_memory import gpt_step_temporaries, host_memory_choice
+from fusedpc.training import gpt_step_temporaries, host_memory_choice
 
 
 def train_command(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import sys
 
 from fusedpc.cli._commands import report_command, train_command
 from fusedpc.cli._flags import ALIASES, CONFIG_FLAGS, parse_bool, parse_scan, setting_name
-from fusedpc.training._host_memory import HOST_MEMORY_MODES
+from fusedpc.training import HOST_MEMORY_MODES
 
 
 class _Parser(argparse.ArgumentParser):
