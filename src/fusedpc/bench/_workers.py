@@ -16,8 +16,7 @@ from typing import Any
 
 from fusedpc.bench._args import BenchArgs
 
-# Private until `fusedpc.training` exports them: the estimate of a step's temporaries and the
-# `--host-memory` decision that `fusedpc train` makes too.
+# The estimate of a step's temporaries and the `--host-memory` decision `fusedpc train` makes.
 from fusedpc.training import gpt_step_temporaries, wants_host_memory_reuse
 
 
