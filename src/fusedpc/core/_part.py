@@ -32,8 +32,9 @@ class Core(NamedTuple):
     * `backward(state, cache, error) -> (input_error, new_state, metrics)`. `error` is the
       descent error $\\partial L / \\partial y$ at the part's output (same shape as `y`);
       `input_error` is $\\partial L / \\partial x$ per row (not divided by the batch size).
-      `metrics` is a pytree of device arrays (`PartMetrics` for learning parts, `FiniteFlag`
-      for frozen ones, `named(child=metrics, ...)` for composites, in forward order).
+      `metrics` is an `AbstractMetrics` of device arrays (`PartMetrics` for learning parts,
+      `FiniteFlag` for frozen ones, `named(child=metrics, ...)` for composites, in forward
+      order, or a metrics class of the part's own).
     * `write_back(state) -> part`: a new part tree holding `state`. The executor always hands it
       a fresh copy, so the returned tree never aliases buffers that a later step donates.
     """
