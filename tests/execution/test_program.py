@@ -135,6 +135,17 @@ def test_pipeline_traces_each_new_signature_once():
     assert pipeline.trace_counts["step"] == 3
 
 
+def test_a_class_id_refusal_keeps_its_trace_for_the_next_call():
+    tree = fusedpc.Sequential([frozen.linear(jnp.eye(3)), frozen.relu()])
+    pipeline = fusedpc.FusedPipeline(tree, "softmax_cross_entropy")
+    x = np.ones((4, 3), np.float32)
+    with pytest.raises(ValueError, match=r"target: class ids must lie in \[0, 3\)"):
+        pipeline.step(x, np.array([0, 1, 2, 3], np.int32))
+    assert pipeline.steps == 0 and pipeline.trace_counts["step"] == 1
+    pipeline.step(x, np.array([0, 1, 2, 2], np.int32))
+    assert pipeline.steps == 1 and pipeline.trace_counts["step"] == 1
+
+
 def test_a_shape_error_surfaces_on_the_one_trace_before_anything_is_donated():
     xs, ts = _batches()
     pipeline = fusedpc.FusedPipeline(_tree(), None)

@@ -71,7 +71,11 @@ def refused(pipeline: fusedpc.FusedPipeline, error: type[Exception], *fragments:
     assert not any(leaf.is_deleted() for leaf in leaves), "the state was donated"
     for old, new in zip(kept, now, strict=True):
         assert np.array_equal(old, np.asarray(new))
-    assert pipeline.steps == steps and pipeline.trace_counts == traces
+    assert pipeline.steps == steps
+    # Refusing values (class ids) comes after the one trace the shape check needs; the next
+    # call with these shapes reuses it (test_program.py). Nothing else is traced or compiled.
+    grown = {name: pipeline.trace_counts[name] - traces[name] for name in traces}
+    assert set(grown.values()) <= {0, 1} and sum(grown.values()) <= 1, grown
 
 
 # --------------------------------------------------------------------------- token ids
