@@ -730,3 +730,56 @@ def test_sharded_and_single_device_checkpoints_are_interchangeable(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- older releases
+V01 = {"ff_head": dict(learn="ff_head"), "none_tuple": dict(learn="none", scan=False)}
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+@pytest.mark.parametrize("name", sorted(V01))
+def test_a_release_01_checkpoint_with_frozen_parameters_loads(name):
+    # Written by release 0.1 (data/make_v01_checkpoints.py): frozen parameters stored as
+    # dicts in sorted key order (bias before weight) and the frozen LayerNorm's eps as a leaf.
+    config = fusedpc.GPTConfig(
+        vocab_size=11, width=16, n_heads=2, n_blocks=2, ff_width=32, max_len=8, **V01[name]
+    )
+    ids = jax.random.randint(jax.random.key(1), (2, 8), 0, 11)
+
+    def pipeline():
+        part, _ = fusedpc.build_gpt(config, optax.adam(1e-3), jax.random.key(0))
+        return fusedpc.FusedPipeline(part, error_fn=config.error_fn)
+
+    stepped = pipeline()  # the same build and step as the file's, on this release
+    stepped.step(ids, ids)
+    loaded = pipeline()
+    metadata = loaded.load(os.path.join(DATA, f"v0.1_{name}.fpc"))
+    assert metadata == {"made_by": "0.1.0"}
+    assert loaded.steps == 1
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(loaded.state)]
+    for path, a, b in zip(
+        paths,
+        jax.tree_util.tree_leaves(stepped.state),
+        jax.tree_util.tree_leaves(loaded.state),
+        strict=True,
+    ):
+        # Each leaf lands where it belongs (LayerNorm weights are ones, biases zeros: a swap
+        # of the two would show): equal to the same step taken on this release. Tolerance: the
+        # file was made at XLA's default optimisation level, this suite compiles at level 0,
+        # whose random initialisation differs in the last bit (bit-equal at the default).
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7, err_msg=path)
+    loaded.step(ids, ids)
+    assert np.isfinite(loaded.last_loss)
+
+
+def test_a_checkpoint_of_another_tree_is_still_refused_after_migration():
+    config = fusedpc.GPTConfig(
+        vocab_size=11, width=16, n_heads=2, n_blocks=3, ff_width=32, max_len=8, learn="ff_head"
+    )
+    part, _ = fusedpc.build_gpt(config, optax.adam(1e-3), jax.random.key(0))
+    pipeline = fusedpc.FusedPipeline(part, error_fn=config.error_fn)
+    before = [np.asarray(leaf).copy() for leaf in jax.tree_util.tree_leaves(pipeline.state)]
+    with pytest.raises(CheckpointError, match="different tree"):
+        pipeline.load(os.path.join(DATA, "v0.1_ff_head.fpc"))
+    for old, new in zip(before, jax.tree_util.tree_leaves(pipeline.state), strict=True):
+        np.testing.assert_array_equal(old, np.asarray(new))

@@ -389,6 +389,37 @@ def _first_difference(expected: list[dict], stored: list[dict]) -> str | None:
     return None
 
 
+_DICT_KEY = re.compile(r"\['([A-Za-z_]\w*)'\]")
+
+
+def _migrated_leaves(expected: list[dict], stored: list[dict]) -> list[dict] | None:
+    """The stored leaf records of a release-0.1 checkpoint in this pipeline's terms, or None.
+
+    Release 0.1 held frozen parameters as dicts (key paths `['weight']`, flattened in sorted
+    key order, so `['bias']` first) and a frozen LayerNorm's `eps` as a leaf; later releases
+    hold named records (`.weight`) and keep `eps` static (it comes from the part). A stored
+    path that this pipeline lacks is renamed `['name']` -> `.name` when that names one of this
+    pipeline's leaves, a stored `eps` leaf this pipeline lacks is dropped, and the records are
+    put in this pipeline's order. None when nothing needed migrating or the leaves still do
+    not correspond one to one (the ordinary difference report then speaks)."""
+    expected_paths = {r["path"] for r in expected}
+    migrated, changed = [], False
+    for record in stored:
+        path = record["path"]
+        if path not in expected_paths:
+            renamed = _DICT_KEY.sub(r".\1", path)
+            if renamed in expected_paths:
+                record, changed = {**record, "path": renamed}, True
+            elif renamed.endswith(".eps"):
+                changed = True
+                continue
+        migrated.append(record)
+    by_path = {r["path"]: r for r in migrated}
+    if not changed or len(by_path) != len(migrated) or set(by_path) != expected_paths:
+        return None
+    return [by_path[r["path"]] for r in expected]
+
+
 def _treedef_difference(expected: str, stored: str) -> str:
     at = next((i for i, (a, b) in enumerate(zip(expected, stored)) if a != b), None)
     at = min(len(expected), len(stored)) if at is None else at
@@ -439,8 +470,16 @@ def load_checkpoint(pipeline: Any, path: str | os.PathLike) -> Any:
     with _open_checkpoint(path) as (zf, manifest):
         current = pipeline.state
         expected = _expected_leaves(current)
-        difference = _first_difference(expected, manifest["leaves"])
-        if difference is None and manifest.get("jax_version") == jax.__version__:
+        records = manifest["leaves"]
+        migrated = _migrated_leaves(expected, records)
+        if migrated is not None:  # a 0.1 layout: its leaves bound by path, not by position
+            records = migrated
+        difference = _first_difference(expected, records)
+        if (
+            difference is None
+            and migrated is None
+            and manifest.get("jax_version") == jax.__version__
+        ):
             # The treedef's text form is only compared under the same JAX version (its spelling
             # may change between versions); the key paths above bind the leaves either way.
             mine, theirs = _normalised_treedef(current), manifest.get("treedef")
@@ -454,7 +493,7 @@ def load_checkpoint(pipeline: Any, path: str | os.PathLike) -> Any:
                 "checkpoint was saved with (see fusedpc.read_checkpoint_manifest(path)"
                 "['metadata'])."
             )
-        leaves = [_read_leaf(zf, path, record) for record in manifest["leaves"]]
+        leaves = [_read_leaf(zf, path, record) for record in records]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(current), leaves)
     pipeline.set_state(state, manifest["steps"], manifest["skipped_steps"])
     return manifest["metadata"]
