@@ -195,14 +195,16 @@ class FusedPipeline:
         self.tree.validate_input(x, "")
 
     def _validate(self, x: Any, target: Any, batched: bool) -> None:
-        """Host checks that need no trace (arrays, rows, values), then rank."""
+        """Host checks that need no trace: arrays, rows, values (and `run`'s step axis, which
+        its scan needs). A step's row axis is checked after the trace (`_check_rows`): the
+        tree's own checks come first, they say more."""
         x_name, t_name = ("xs", "targets") if batched else ("x", "target")
         _validation.check_array(x, x_name)
         _validation.check_array(target, t_name)
         _validation.check_non_empty(x, x_name)
-        self._validate_values(x)  # the tree's own checks first: they say more
-        _validation.check_batch_rank(x, x_name, batched)
+        self._validate_values(x)
         if batched:
+            _validation.check_batch_rank(x, x_name, batched)
             _validation.check_same_steps(x, target)
 
     def _traced(self, jitted, signature: tuple, *args, **kwargs) -> jax.ShapeDtypeStruct:
@@ -224,6 +226,7 @@ class FusedPipeline:
         x, target_placed = self.place_batch(x), self.place_batch(target)
         signature = _validation.signature(x, target, batched=False)
         out = self._traced(self._step_jit, signature, self._carry, x, target_placed)
+        _validation.check_batch_rank(x, "x", batched=False)
         _validation.check_class_ids(
             self.error_fn, target, out.shape[-1], "target", self.check_device_ids
         )

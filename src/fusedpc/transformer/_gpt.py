@@ -19,7 +19,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from fusedpc.core._checks import check_ids, check_part, expect_rank
+from fusedpc.core._checks import check_ids, check_part
 from fusedpc.core._metrics import Named, named
 from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
 from fusedpc.parts._compose import SequentialCache
@@ -237,16 +237,14 @@ class GPTPart(AbstractPart):
         return replace_fields(self, **dict(zip(_GPT_SLOTS, children, strict=True)))
 
     def validate_input(self, x: Any, path: str) -> None:
-        shape = tuple(jnp.shape(x)) if not isinstance(x, jax.ShapeDtypeStruct) else x.shape
-        if len(shape) not in (2, 3):  # (B, T), or (K, B, T) for `run`
-            raise ValueError(
-                f"{display_path(path)}: expected token ids of shape (batch, seq), got {shape}."
-            )
-        if shape[-1] > self.max_len:
-            raise ValueError(
-                f"{display_path(path)}: sequence length {shape[-1]} exceeds the position "
-                f"table's {self.max_len} positions; use sequences of at most {self.max_len}."
-            )
+        """The host check of what a trace cannot see: the ids' values lie in the vocabulary.
+
+        Rank, dtype and length are checked once, at trace time (`forward`), so they hold
+        wherever the step runs (a pipeline, `make_step` inside a user's jit)."""
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return  # a device array without check_device_ids: its values are not read
+        if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            return  # not ids at all: the trace says what is wrong
         check_ids(x, self.vocab_size, path)
 
     def init_state(self, key: jax.Array) -> GPTState:
@@ -267,16 +265,22 @@ class GPTPart(AbstractPart):
         head = self.head.compile(join_path(path, "head"))
 
         def forward(state: GPTState, ids):
-            expect_rank(path, ids, 2, "(batch, seq) of token ids")
+            if jnp.ndim(ids) != 2:
+                raise ValueError(
+                    f"{display_path(path)}: expected token ids of shape (batch, seq), got shape "
+                    f"{tuple(jnp.shape(ids))}: an input of rank 2 (batch, seq) is needed, this "
+                    f"one has rank {jnp.ndim(ids)}."
+                )
             if not jnp.issubdtype(ids.dtype, jnp.integer):
                 raise TypeError(
-                    f"{display_path(path)}: expected integer token ids, got dtype {ids.dtype}."
+                    f"{display_path(path)}: expected integer token ids, got dtype {ids.dtype}; "
+                    "convert with .astype(np.int32)."
                 )
             seq = ids.shape[1]
             if seq > self.max_len:
                 raise ValueError(
                     f"{display_path(path)}: sequence length {seq} exceeds the position table's "
-                    f"{self.max_len} positions."
+                    f"{self.max_len} positions; use sequences of at most {self.max_len}."
                 )
             tok, c_tok = token.forward(state.token, ids)
             pos, c_pos = position.forward(state.position, jnp.arange(seq, dtype=jnp.int32))
