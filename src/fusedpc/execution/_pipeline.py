@@ -44,11 +44,8 @@ class FusedPipeline:
 
     Args:
         tree: the root part.
-        error_fn: the descent error at the output: `None` (squared error, $y - t$), a name from
-            `fusedpc.losses` (`"softmax_cross_entropy"`, `"cross_entropy"`, ...), an
-            `ErrorFunction`, or a callable `error_fn(output, target) -> error`.
-        error_normalisation: `"active"` rescales the error by rows / rows with a non-zero error
-            (zero rows are padding); `"rows"` leaves it.
+        error_fn: the descent error at the output, as for `fusedpc.make_step`.
+        error_normalisation: `"active"` or `"rows"`, as for `fusedpc.make_step`.
         key: PRNG key for the parts' initial state (default `jax.random.key(0)`).
         nonfinite: what a step whose new state, output or input error holds NaN/inf does:
             `"skip"` keeps the old state (inside the program) and counts the step as skipped;
