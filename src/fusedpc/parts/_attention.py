@@ -4,6 +4,7 @@ any part, around a weight-free mixing step with a hand-derived backward."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -331,7 +332,7 @@ class MultiHeadAttention(AbstractPart):
         """The slots in forward order: `wq`, `wk`, `wv`, `wo` (fused: `wqkv`, `wo`)."""
         return tuple((name, getattr(self, name)) for name in self._slot_names())
 
-    def replace_children(self, children) -> MultiHeadAttention:
+    def replace_children(self, children: Sequence[AbstractPart]) -> MultiHeadAttention:
         return replace_fields(self, **dict(zip(self._slot_names(), children, strict=True)))
 
     def export_arrays(self, path: str = "") -> tuple[LinearParams, ...]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -48,14 +49,14 @@ class Sequential(AbstractPart):
             check_part(part, f"Sequential.parts[{i}]")
         self.parts = parts
 
-    def validate_input(self, x, path: str) -> None:
+    def validate_input(self, x: Any, path: str) -> None:
         """The chain's input is its first part's input."""
         self.parts[0].validate_input(x, join_path(path, "parts[0]"))
 
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         return tuple((f"parts[{i}]", part) for i, part in enumerate(self.parts))
 
-    def replace_children(self, children) -> Sequential:
+    def replace_children(self, children: Sequence[AbstractPart]) -> Sequential:
         children = tuple(children)
         if len(children) != len(self.parts):
             raise ValueError(
@@ -121,13 +122,13 @@ class Residual(AbstractPart):
     def __init__(self, branch: AbstractPart):
         self.branch = check_part(branch, "Residual.branch")
 
-    def validate_input(self, x, path: str) -> None:
+    def validate_input(self, x: Any, path: str) -> None:
         self.branch.validate_input(x, join_path(path, "branch"))
 
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         return (("branch", self.branch),)
 
-    def replace_children(self, children) -> Residual:
+    def replace_children(self, children: Sequence[AbstractPart]) -> Residual:
         (branch,) = children
         return replace_fields(self, branch=branch)
 

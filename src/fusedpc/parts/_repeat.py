@@ -170,7 +170,7 @@ class Repeat(AbstractPart):
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         return tuple((f"[{i}]", block) for i, block in enumerate(self.blocks))
 
-    def replace_children(self, children) -> Repeat:
+    def replace_children(self, children: Sequence[AbstractPart]) -> Repeat:
         return replace_fields(self, blocks=tuple(children))
 
     def unrolled(self) -> Repeat:

@@ -337,10 +337,10 @@ _init.__signature__ = inspect.signature(_dataclass_init)
 TrainConfig.__init__ = _init
 
 
-def _old_attribute(name: str):
+def _old_attribute(name: str) -> property:
     new = RENAMED.get(name, name)
 
-    def get(self):
+    def get(self: TrainConfig) -> Any:
         warnings.warn(
             f"TrainConfig.{name} is now TrainConfig.model.{new}"
             + (" (GPTConfig's name)" if name in RENAMED else "")

@@ -115,7 +115,9 @@ def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
     return FusedPipeline(part, gpt.error_fn, key=jax.random.key(config.seed), mesh=mesh)
 
 
-def load_run(run_dir: str | os.PathLike, *, tokenizer: data.Tokenizer | None = None):
+def load_run(
+    run_dir: str | os.PathLike[str], *, tokenizer: data.Tokenizer | None = None
+) -> tuple[FusedPipeline, data.Tokenizer, TrainConfig, dict[str, Any]]:
     """The run saved in `run_dir`.
 
     Args:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fusedpc.parts._activations import ACTIVATIONS, get_activation
+from fusedpc.parts._activations import ACTIVATIONS, Activation, get_activation
 
 HEADS = ("gaussian", "categorical", "binary")
 INITIALISATIONS = ("xavier", "he", "orthogonal")
@@ -188,7 +188,9 @@ class PCNetwork(eqx.Module):
                 )
         return weights, biases
 
-    def initial_arrays(self, key: jax.Array):
+    def initial_arrays(
+        self, key: jax.Array
+    ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array | None, ...]]:
         """Fresh weights (a distinct draw per matrix) and zero biases."""
         keys = jax.random.split(key, len(self.sizes) - 1)
         weights = tuple(
@@ -205,7 +207,7 @@ class PCNetwork(eqx.Module):
     def n_matrices(self) -> int:
         return len(self.sizes) - 1
 
-    def layer_activation(self, l: int):
+    def layer_activation(self, l: int) -> Activation:
         """$g_l$: the input activation for $l = 0$, else hidden layer $l$'s."""
         return get_activation(self.input_activation if l == 0 else self.activations[l - 1])
 
