@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
@@ -43,7 +43,11 @@ class AbstractMetrics(eqx.Module):
 
     # `finite` is declared by each subclass (a field of a leaf, a property of a container)
     # rather than here: a field declared on this base would come first in every subclass's
-    # positional constructor.
+    # positional constructor. This read-only declaration is for the type checker only.
+    if TYPE_CHECKING:
+
+        @property
+        def finite(self) -> jax.Array: ...
 
     def walk(self, path: str = "") -> Iterator[tuple[str, AbstractMetrics]]:
         """The leaf metrics under this node with their paths, in forward order."""

@@ -17,12 +17,13 @@ import abc
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
 
 PyTree = Any
+_M = TypeVar("_M", bound=eqx.Module)
 
 
 class Core(NamedTuple):
@@ -171,7 +172,7 @@ def display_path(path: str) -> str:
     return path if path else "<root>"
 
 
-def replace_fields(module: eqx.Module, **changes: Any) -> eqx.Module:
+def replace_fields(module: _M, **changes: Any) -> _M:
     """A copy of `module` with some fields replaced, without re-running its `__init__`."""
     names = {f.name for f in dataclasses.fields(module)}
     unknown = set(changes) - names

@@ -76,9 +76,10 @@ def _merge_heads(y: jax.Array, transposed: bool = False) -> jax.Array:
 
 def causal_tiles_for(seq_len: int) -> int:
     """How many query tiles `MultiHeadAttention` splits a sequence into by default: 4 from
-    128 positions (divisible by 4), 2 from 64 (even), else 1. Measured on the development
-    CPU (forward plus backward of one block): T = 128, 4 tiles: -14 %; T = 256: -28 %;
-    T = 64, 2 tiles: -10 %; 8 tiles were slower than 4 at both 128 and 256."""
+    128 positions (divisible by 4), 2 from 64 (even), else 1. Tiling skips the score blocks
+    above the causal diagonal, which pays from these lengths on; more tiles than 4 add more
+    per-tile overhead than they skip (measured in docs/performance.md, forward plus backward
+    of one block on CPU)."""
     if seq_len >= 128 and seq_len % 4 == 0:
         return 4
     if seq_len >= 64 and seq_len % 2 == 0:
@@ -156,8 +157,8 @@ def causal_mix_backward(
 
 def _add_to_prefix(total: jax.Array | None, part: jax.Array, seq_len: int) -> jax.Array:
     """`total` (None: zeros) plus `part` over the first `part.shape[-1]` of `seq_len` positions
-    of the last axis. An in-place add into the prefix: 3.5 % less M step time than padding
-    each part to full length and adding."""
+    of the last axis. An in-place add into the prefix, which avoids padding each part to full
+    length before adding (faster, measured in docs/performance.md)."""
     if total is None:
         if part.shape[-1] == seq_len:
             return part

@@ -4,8 +4,9 @@ XLA's CPU runtime allocates each call's temporaries and outputs with the C libra
 and frees them when the call ends. With glibc's defaults, every block above the mmap
 threshold (at most 32 MiB, and every large block a worker thread allocates in its own arena)
 is a fresh `mmap` that is unmapped again on `free`: the next step maps it anew, and the
-kernel zero-fills every page on first touch. At config M of the benchmark that is about
-125,000 page faults, 500 MB of fresh pages and 15 to 20 % of the step's CPU time, every step.
+kernel zero-fills every page on first touch. For a step with large temporaries those page
+faults and zero-fills are a sizeable share of the step's CPU time, every step (measured in
+docs/performance.md).
 
 `reuse_host_memory()` sets glibc's allocator (through `mallopt`, the same settings as the
 `MALLOC_*` environment variables) so that freed blocks stay in the process and the next
@@ -13,10 +14,9 @@ step reuses them: one arena for all threads, no `mmap` for large blocks, and the
 neither trimmed nor released. The process keeps its peak host memory instead of returning it
 between steps; nothing else changes (results are bit for bit the same).
 
-It is a trade-off, measured on the 2-core development CPU (docs/performance.md): a step
-with large temporaries gains (config M, about 600 MB estimated: 12 to 15 % less step
-time), a small step loses (config S, about 19 MB: the threads of its many small kernels
-then contend for the one arena; 1.5 to 2x the step time). `host_memory_choice` decides from
+It is a trade-off (measured in docs/performance.md): a step with large temporaries gains
+(the page faults and zero-fills are gone), a small step loses (the threads of its many
+small kernels then contend for the one arena). `host_memory_choice` decides from
 the estimated size of a step's temporaries, so `fusedpc train` and `fusedpc bench` apply it
 only to large steps by default.
 """
@@ -95,8 +95,9 @@ def host_memory_reused() -> bool:
     )
 
 
-# `host_memory_choice("auto", ...)` reuses host memory from this estimate on: between the
-# benchmark configs where it was measured to cost (S, ~19 MB) and to pay (M, ~600 MB).
+# `host_memory_choice("auto", ...)` reuses host memory from this estimate on: it lies between
+# the small benchmark step, where the one shared arena costs more than it saves, and the
+# large one, where the saved page faults pay (measured in docs/performance.md).
 REUSE_ABOVE_BYTES = 128 * 2**20
 
 HOST_MEMORY_MODES = ("auto", "reuse", "system")

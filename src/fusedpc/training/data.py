@@ -56,14 +56,15 @@ def bundled_texts() -> tuple[str, ...]:
 def load_text(name_or_path: str | os.PathLike[str] | None = None) -> str:
     """Load a text as a string.
 
-    **Arguments:**
+    Args:
+        name_or_path: ``None`` for the bundled default (`DEFAULT_TEXT`), the name of a
+            bundled text (see `bundled_texts`), or the path of a UTF-8 text file of your own.
 
-    - `name_or_path`: ``None`` for the bundled default (`DEFAULT_TEXT`), the name of a
-      bundled text (see `bundled_texts`), or the path of a UTF-8 text file of your own.
+    Returns:
+        The text's contents.
 
-    **Raises:**
-
-    `FileNotFoundError` when `name_or_path` is neither a bundled name nor an existing file.
+    Raises:
+        FileNotFoundError: when `name_or_path` is neither a bundled name nor an existing file.
     """
     if name_or_path is None:
         name_or_path = DEFAULT_TEXT
@@ -277,12 +278,11 @@ class BatchIterator:
     iterator draws exactly the batches an uninterrupted one would, and
     ``next_batches(k)`` equals ``k`` calls of `next_batch` stacked.
 
-    **Arguments:**
-
-    - `data`: 1-D integer token ids, ``n`` of them with ``n >= seq_len + 1``.
-    - `batch_size`: windows per batch.
-    - `seq_len`: tokens per input row.
-    - `seed`: non-negative integer seed.
+    Args:
+        data: 1-D integer token ids, ``n`` of them with ``n >= seq_len + 1``.
+        batch_size: windows per batch.
+        seq_len: tokens per input row.
+        seed: non-negative integer seed.
     """
 
     def __init__(self, data: Any, batch_size: int, seq_len: int, *, seed: int = 0):

@@ -112,9 +112,9 @@ def hybrid_from_gpt(
     `output="probabilities"` marks a categorical head.
 
     Why "auto": for a few blocks the unrolled program steps faster (on CPU the scan
-    zero-fills and copies its stacked caches: 10 % of the step at 4 blocks of width 256), at
-    some compile time (4 blocks of width 256: ~8.5 s against ~6 s); from about 8 blocks on
-    the scan costs nothing per step and keeps compile time flat (docs/performance.md).
+    zero-fills and copies its stacked caches every step), at the price of a longer compile;
+    from about 8 blocks on the scan costs nothing noticeable per step and keeps compile time
+    flat in depth (measured in docs/performance.md).
     Unrolled or scanned, a `Repeat` has the same state layout, so checkpoints move between
     the two.
     """

@@ -183,15 +183,14 @@ class GPT(eqx.Module):
     ``beta = 0``), except that the output head's weight and bias are scaled by 0.1 so the
     initial predictions are close to uniform.
 
-    **Arguments:**
-
-    - `vocab_size`: ``V``.
-    - `width`: ``W``; must be divisible by `n_heads`.
-    - `n_heads`: ``H``.
-    - `n_blocks`: ``L``.
-    - `ff_width`: ``F``, the hidden width of each feed-forward layer.
-    - `max_len`: the largest sequence length accepted (rows of the positional embedding).
-    - `key`: PRNG key for initialisation.
+    Args:
+        vocab_size: ``V``.
+        width: ``W``; must be divisible by `n_heads`.
+        n_heads: ``H``.
+        n_blocks: ``L``.
+        ff_width: ``F``, the hidden width of each feed-forward layer.
+        max_len: the largest sequence length accepted (rows of the positional embedding).
+        key: PRNG key for initialisation.
     """
 
     tok_emb: eqx.nn.Embedding
