@@ -103,13 +103,36 @@ for row in report:
 # %% [markdown]
 # ## Back to a tree
 # `merge()` writes the trained state back into a new tree of parts (copies, safe to keep):
-# the frozen projection is unchanged, the learning parts hold their new weights.
+# the frozen projection is unchanged, the learning parts hold their new weights. A frozen
+# linear part holds its parameters as a named record, `fusedpc.core.LinearParams(weight,
+# bias)` (here without a bias).
 
 # %%
 trained = pipeline.merge()
-same_projection = bool(jnp.array_equal(trained.parts[0].params["weight"],
-                                        projection.params["weight"]))
+same_projection = bool(jnp.array_equal(trained.parts[0].params.weight,
+                                        projection.params.weight))
 moved = float(jnp.linalg.norm(trained.parts[3].network.weights[0]
                               - readout.network.weights[0]))
 print("frozen projection unchanged:", same_projection, "| readout moved by", f"{moved:.3f}")
 assert final_loss < initial_loss
+
+# %% [markdown]
+# ## Your own loop: the pure step
+# `FusedPipeline` wraps a pure step program that you can drive yourself:
+# `fusedpc.make_step(tree)` gives `init(key)`, `step(carry, x, target)`,
+# `run(carry, xs, targets)` and `predict(state, x)`, plain functions over an explicit
+# `StepCarry` (the state and the step counters). Jit them yourself; `donate_argnums=0` writes
+# the new state into the old buffers, as the pipeline does; `write_back(state)` gives the tree
+# back. The same 300 steps from the same tree give the pipeline's weights.
+
+# %%
+program = fusedpc.make_step(tree)
+run = jax.jit(program.run, donate_argnums=0, static_argnames="keep_outputs")
+carry = program.init(jax.random.key(0))
+for _ in range(5):
+    carry, out = run(carry, xs, targets, keep_outputs=False)
+print("steps", int(carry.counters.steps), "skipped", int(carry.counters.skipped),
+      "| last loss", f"{float(out.metrics.loss[-1]):.4f}")
+mine = np.asarray(program.write_back(carry.state).parts[3].network.weights[0])
+np.testing.assert_allclose(mine, np.asarray(trained.parts[3].network.weights[0]),
+                           rtol=1e-5, atol=1e-6)
