@@ -37,7 +37,8 @@ def device_info() -> dict[str, Any]:
         "jax": jax.__version__,
         # what would make compile times incomparable: optimisation flags, a warm disk cache
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "compilation_cache": bool(jax.config.jax_compilation_cache_dir),
+        # jax.config's flags are attributes made at runtime, unknown to its type stubs
+        "compilation_cache": bool(jax.config.jax_compilation_cache_dir),  # type: ignore[attr-defined]
         "host_memory_reused": host_memory_reused(),
     }
 

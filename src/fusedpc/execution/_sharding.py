@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -63,6 +64,8 @@ def data_mesh(
         raise ValueError(
             f"data_mesh: model={model!r} must be >= 1 and divide n_devices={n}."
         )
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
     if model == 1:
         shape, names = (n,), (DATA_AXIS,)
     else:
@@ -70,6 +73,18 @@ def data_mesh(
     return jax.make_mesh(
         shape, names, axis_types=(AxisType.Auto,) * len(names), devices=available[:n]
     )
+
+
+@overload
+def resolve_mesh(mesh: Mesh) -> Mesh: ...
+
+
+@overload
+def resolve_mesh(mesh: None) -> None: ...
+
+
+@overload
+def resolve_mesh(mesh: Mesh | None) -> Mesh | None: ...
 
 
 def resolve_mesh(mesh: Mesh | None) -> Mesh | None:
@@ -113,6 +128,26 @@ def check_batch_divides(size: int, mesh: Mesh, axis: int) -> None:
             f"'data' axis of {n} devices; use a multiple of {n} rows (e.g. {options}). Padding "
             "is yours to do, with rows whose error_fn gives a zero error (see docs/scaling.md)."
         )
+
+
+def shard_batch(x: Any, mesh: Mesh | None, axis: int = 0) -> Any:
+    """`x` placed with its rows (along `axis`) split over the mesh's `"data"` axis, every
+    other axis whole; without a mesh, `x` as it is. Refuses rows that do not divide.
+
+    Args:
+        x: a host or device array.
+        mesh: a mesh with a `"data"` axis, or None.
+        axis: the row axis (0 for `step`'s batches, 1 for `run`'s `(K, rows, ...)`).
+
+    Returns:
+        The placed array (or `x` unchanged without a mesh).
+    """
+    if mesh is None:
+        return x
+    if not isinstance(x, jax.Array):
+        x = jnp.asarray(x)
+    check_batch_divides(x.shape[axis], mesh, axis)
+    return jax.device_put(x, batch_sharding(mesh, x.ndim, axis))
 
 
 # --------------------------------------------------------------------------- state placement
@@ -214,7 +249,8 @@ def initialize_distributed(
             f"coordinator={coordinator!r}, num_processes={num_processes!r}, "
             f"process_id={process_id!r}."
         )
-    if jax.config.jax_cpu_collectives_implementation is None:
+    # jax.config's flags are attributes made at runtime, unknown to its type stubs
+    if jax.config.jax_cpu_collectives_implementation is None:  # type: ignore[attr-defined]
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator,

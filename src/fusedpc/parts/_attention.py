@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -152,7 +153,7 @@ def causal_mix_backward(
     d_q, d_k, d_v = causal_mix_backward_rows(
         _merge_heads(q), k, v, (weights,), _merge_heads(error), n_heads
     )
-    return tuple(_split_heads(a, n_heads) for a in (d_q, d_k, d_v))
+    return _split_heads(d_q, n_heads), _split_heads(d_k, n_heads), _split_heads(d_v, n_heads)
 
 
 def _add_to_prefix(total: jax.Array | None, part: jax.Array, seq_len: int) -> jax.Array:
@@ -187,8 +188,8 @@ def causal_mix_backward_rows(
     $dK^\\top = Q^\\top dS$ with $dC^\\top$, $Q^\\top$ split straight to `(B, H, d, T)` and the
     results merged straight back. The head split and merge are transposes anyway, so this
     costs nothing extra, and each product has the row-major form XLA:CPU hands to its fast
-    matmul library; written as $A^\\top dC$ they fall back to a generic batched dot about
-    twice as slow (docs/performance.md).
+    matmul library; written as $A^\\top dC$ they fall back to a slower generic batched dot
+    (measured in docs/performance.md).
     """
     seq_len = error_rows.shape[1]
     d = k.shape[-1]
@@ -213,7 +214,8 @@ def causal_mix_backward_rows(
         d_k_t = _add_to_prefix(d_k_t, k_part, seq_len)
         d_v_t = _add_to_prefix(d_v_t, v_part, seq_len)
     d_q = d_q_tiles[0] if len(d_q_tiles) == 1 else jnp.concatenate(d_q_tiles, axis=-2)
-    d_k, d_v = (_merge_heads(a, transposed=True) for a in (d_k_t, d_v_t))
+    # every sequence has at least one tile, so the loop has set both sums
+    d_k, d_v = (_merge_heads(cast(jax.Array, a), transposed=True) for a in (d_k_t, d_v_t))
     return _merge_heads(d_q), d_k, d_v
 
 

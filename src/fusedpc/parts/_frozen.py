@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -61,7 +61,7 @@ class Frozen(AbstractPart):
         self.backward_fn = backward
         self.params = params
         self.in_width = None if in_width is None else int(in_width)
-        self.name = name or getattr(forward, "__name__", "frozen")
+        self.name = name or cast(str, getattr(forward, "__name__", "frozen"))
 
     def export_arrays(self, path: str = "") -> tuple[ExportRecord, ...]:
         """`(params,)` when the parameters are an `ExportRecord` (a frozen linear, LayerNorm or

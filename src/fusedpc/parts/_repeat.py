@@ -91,7 +91,8 @@ def first_difference(a: Any, b: Any, where: str = "") -> str | None:
             if found:
                 return found
         return None
-    if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
+    # PyTreeDef compares by structure; its type stub does not declare it
+    if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):  # type: ignore[operator]
         return f"{here}: structure {jax.tree_util.tree_structure(a)} vs " + str(
             jax.tree_util.tree_structure(b)
         )

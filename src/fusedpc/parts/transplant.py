@@ -90,7 +90,11 @@ def from_linears(linears: Sequence[eqx.nn.Linear], **learning) -> LearningNetwor
     net_kw, part_kw = _split_learning("from_linears", learning, ("head", "output_precision",
                                                                   "input_activation"))
     weight = jnp.concatenate([lin.weight for lin in linears], axis=0)
-    bias = jnp.concatenate([lin.bias for lin in linears]) if has_bias[0] else None
+    bias = (
+        jnp.concatenate([lin.bias for lin in linears])  # type: ignore[misc]  # all have a bias
+        if has_bias[0]
+        else None
+    )
     network = PCNetwork(
         [in_widths[0], weight.shape[0]], (), bias=has_bias[0], weights=[weight], biases=[bias],
         **net_kw,

@@ -333,8 +333,8 @@ def _init(self, *args, **kwargs):
 
 
 _init.__doc__ = _dataclass_init.__doc__
-_init.__signature__ = inspect.signature(_dataclass_init)
-TrainConfig.__init__ = _init
+_init.__signature__ = inspect.signature(_dataclass_init)  # type: ignore[attr-defined]  # read by inspect
+TrainConfig.__init__ = _init  # type: ignore[method-assign]  # the dataclass's, taking the old keywords too
 
 
 def _old_attribute(name: str) -> property:

@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from fusedpc.core import losses as _losses
 
 
 def cross_entropy(outputs: np.ndarray, targets: np.ndarray, probabilities: bool) -> float:
-    """Mean $-\\log p(t)$ over every position; `outputs` `(..., V)` holds logits, or
-    probabilities when `probabilities`; `targets` `(...)` integer ids. Computed in float64."""
-    out = np.asarray(outputs, np.float64)
-    if probabilities:
-        logp = np.log(np.clip(out, 1e-30, 1.0))
-    else:
-        shifted = out - out.max(axis=-1, keepdims=True)
-        logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-    picked = np.take_along_axis(logp, np.asarray(targets)[..., None].astype(np.int64), axis=-1)
-    return float(-picked.mean())
+    """Mean $-\\log p(t)$ over every position: the library's one cross-entropy
+    (`fusedpc.losses.softmax_cross_entropy` for logits, `cross_entropy` for probabilities),
+    the loss the training step reports, in float32.
+
+    Args:
+        outputs: `(..., V)` logits, or probabilities when `probabilities`.
+        targets: `(...)` integer class ids.
+        probabilities: whether `outputs` holds probabilities.
+    """
+    error_fn = _losses.cross_entropy if probabilities else _losses.softmax_cross_entropy
+    loss = cast(Callable[[jax.Array, jax.Array], jax.Array], error_fn.loss)  # both have one
+    return float(loss(jnp.asarray(outputs, jnp.float32), jnp.asarray(targets)))
 
 
 def host_array(x) -> np.ndarray:

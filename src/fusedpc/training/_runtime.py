@@ -67,8 +67,9 @@ def enable_compile_cache(path: str | os.PathLike | None = None) -> str | None:
     """
     if path is not None and os.fspath(path) == "none":
         return None
-    if path is None and jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
+    # jax.config's flags are attributes made at runtime, unknown to its type stubs
+    if path is None and jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined]
+        return jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
     folder = os.fspath(path) if path is not None else default_cache_dir()
     try:
         os.makedirs(folder, exist_ok=True)

@@ -61,29 +61,29 @@ def format_rows(
     Raises:
         ValueError: for no columns, a negative `gap` or an unknown alignment.
     """
-    columns = [c if isinstance(c, Column) else Column(*c) for c in columns]
-    if not columns:
+    cols = [c if isinstance(c, Column) else Column(*c) for c in columns]
+    if not cols:
         raise ValueError("format_rows: columns must name at least one column, got none.")
     if gap < 0:
         raise ValueError(f"format_rows: gap must be >= 0, got {gap!r}.")
-    for c in columns:
+    for c in cols:
         if c.align not in _ALIGNS:
             raise ValueError(
                 f"format_rows: column {c.key!r} has align={c.align!r}; expected one of "
                 f"{_ALIGNS}."
             )
-    body = [[_cell(row, c, missing) for c in columns] for row in rows]
-    headings = [c.heading for c in columns]
+    body = [[_cell(row, c, missing) for c in cols] for row in rows]
+    headings = [c.heading for c in cols]
     widths = [
         max(len(cell) for cell in cells)
-        for cells in zip(*([headings] if header else []), *body, [""] * len(columns),
+        for cells in zip(*([headings] if header else []), *body, [""] * len(cols),
                          strict=True)
     ]
     separator = " " * gap
 
     def line(cells: list[str]) -> str:
         return separator.join(
-            f"{cell:{c.align}{w}}" for cell, c, w in zip(cells, columns, widths, strict=True)
+            f"{cell:{c.align}{w}}" for cell, c, w in zip(cells, cols, widths, strict=True)
         ).rstrip()
 
     rule = "-" * (sum(widths) + gap * (len(widths) - 1))

@@ -245,7 +245,9 @@ def tokenizer_from_dict(d: dict[str, Any]) -> CharTokenizer | ByteTokenizer:
     A tokeniser of your own is not rebuilt from its description: give it again (e.g.
     `train(..., tokenizer=mine)` when resuming, `load_run(folder, tokenizer=mine)`).
     """
-    kinds = {"char": CharTokenizer, "byte": ByteTokenizer}
+    kinds: dict[str, type[CharTokenizer] | type[ByteTokenizer]] = {
+        "char": CharTokenizer, "byte": ByteTokenizer
+    }
     kind = d.get("kind")
     if kind not in kinds:
         raise ValueError(f"unknown tokeniser kind {kind!r}; expected one of {sorted(kinds)}")

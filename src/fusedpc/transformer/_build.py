@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -81,7 +81,7 @@ def _attention_part(attn, given: dict | None, where: str) -> MultiHeadAttention:
                 "one or the other."
             )
         return MultiHeadAttention(wqkv=given["wqkv"], wo=wo, n_heads=attn.n_heads)
-    slots = {
+    slots: dict[str, Any] = {
         name: given.get(name) or frozen.linear(getattr(attn, name)) for name in ("wq", "wk", "wv")
     }
     return MultiHeadAttention(**slots, wo=wo, n_heads=attn.n_heads)
@@ -347,7 +347,8 @@ def to_reference(part: GPTPart, reference: GPT) -> GPT:
     as two (`fc1`, `fc2`) and the head as one; so a part type of your own in any slot exports
     by implementing that method. A slot that cannot raises a `TypeError` naming its path.
     """
-    blocks = [block for _, block in part.blocks.children()]
+    # every child of a GPT part's blocks is a transformer block
+    blocks = [cast(TransformerBlock, block) for _, block in part.blocks.children()]
     if len(blocks) != len(reference.blocks):
         raise ValueError(
             f"to_reference: the part has {len(blocks)} blocks, the reference GPT "
@@ -364,7 +365,7 @@ def to_reference(part: GPTPart, reference: GPT) -> GPT:
         projections = _records(block.attention, f"{where}.attention", LinearParams, 4)
         new_attn = ref.attn
         for name, record in zip(("wq", "wk", "wv", "wo"), projections):
-            new_attn = eqx.tree_at(lambda a, n=name: getattr(a, n), new_attn,
+            new_attn = eqx.tree_at(lambda a, n=name: getattr(a, n), new_attn,  # type: ignore[misc]
                                    _set_linear(getattr(new_attn, name), record))
         fc1, fc2 = _records(block.feed_forward, f"{where}.feed_forward", LinearParams, 2)
         ff = eqx.tree_at(lambda f: (f.fc1, f.fc2), ref.ff,

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import optax
+from jaxtyping import Float, Int
 
 from fusedpc.core.losses import softmax_cross_entropy
 
@@ -107,7 +108,9 @@ class CausalSelfAttention(eqx.Module):
         self.wo = eqx.nn.Linear(width, width, use_bias=True, key=ko)
         self.n_heads = n_heads
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(
+        self, x: Float[Array, "batch seq width"]  # noqa: F722 - a jaxtyping shape
+    ) -> Float[Array, "batch seq width"]:  # noqa: F722 - a jaxtyping shape
         b, t, w = x.shape
         h = self.n_heads
         d = w // h
@@ -142,7 +145,9 @@ class FeedForward(eqx.Module):
         self.fc1 = eqx.nn.Linear(width, ff_width, use_bias=True, key=k1)
         self.fc2 = eqx.nn.Linear(ff_width, width, use_bias=True, key=k2)
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(
+        self, x: Float[Array, "*rows width"]  # noqa: F722 - a jaxtyping shape
+    ) -> Float[Array, "*rows width"]:  # noqa: F722 - a jaxtyping shape
         return _linear(self.fc2, jax.nn.gelu(_linear(self.fc1, x), approximate=True))
 
 
@@ -164,7 +169,9 @@ class Block(eqx.Module):
         self.n1 = eqx.nn.LayerNorm(width)
         self.n2 = eqx.nn.LayerNorm(width)
 
-    def __call__(self, h: Array) -> Array:
+    def __call__(
+        self, h: Float[Array, "batch seq width"]  # noqa: F722 - a jaxtyping shape
+    ) -> Float[Array, "batch seq width"]:  # noqa: F722 - a jaxtyping shape
         h = h + self.attn(_layer_norm(self.n1, h))
         return h + self.ff(_layer_norm(self.n2, h))
 
@@ -232,7 +239,8 @@ class GPT(eqx.Module):
         self.head = eqx.tree_at(
             lambda lin: (lin.weight, lin.bias),
             head,
-            (head.weight * _HEAD_INIT_SCALE, head.bias * _HEAD_INIT_SCALE),
+            # use_bias=True: the head has a bias
+            (head.weight * _HEAD_INIT_SCALE, head.bias * _HEAD_INIT_SCALE),  # type: ignore[operator]
         )
 
     @property
@@ -245,7 +253,9 @@ class GPT(eqx.Module):
         """Size ``V`` of the vocabulary."""
         return self.tok_emb.num_embeddings
 
-    def __call__(self, ids: Array) -> Array:
+    def __call__(
+        self, ids: Int[Array, "batch seq"]  # noqa: F722 - a jaxtyping shape
+    ) -> Float[Array, "batch seq vocab"]:  # noqa: F722 - a jaxtyping shape
         """Return next-token logits of shape ``(B, T, V)`` for ids of shape ``(B, T)``."""
         if ids.ndim != 2:
             raise ValueError(f"ids must have shape (batch, seq), got shape {ids.shape}")
@@ -258,7 +268,10 @@ class GPT(eqx.Module):
         return _linear(self.head, _layer_norm(self.norm_f, h))
 
 
-def cross_entropy(logits: Array, targets: Array) -> Array:
+def cross_entropy(
+    logits: Float[Array, "*positions vocab"],  # noqa: F722 - a jaxtyping shape
+    targets: Int[Array, "*positions"],  # noqa: F722 - a jaxtyping shape
+) -> Float[Array, ""]:  # noqa: F722 - a jaxtyping shape
     """Mean softmax cross-entropy over all positions.
 
     ``loss = mean_n [ logsumexp(z_n) - z_n[y_n] ]`` for logits ``z`` of shape ``(..., V)``
@@ -267,7 +280,7 @@ def cross_entropy(logits: Array, targets: Array) -> Array:
     so the backprop twin and the fused step report the same number.
     """
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    return softmax_cross_entropy.loss(logits, targets)
+    return softmax_cross_entropy.loss(logits, targets)  # type: ignore[misc]  # it has a loss
 
 
 def _layer_norm_spec(model: PyTree) -> PyTree:

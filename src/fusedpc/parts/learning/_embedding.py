@@ -20,7 +20,7 @@ $\\bar G_\\beta = \\mathrm{mean}_r\\, E_r$; its input error is the frozen LayerN
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -145,8 +145,9 @@ class LearningEmbedding(AbstractPart):
             if synaptic is not None:
                 counts = jnp.zeros((vocab,), state.table.dtype).at[flat_ids].add(1.0)
                 increment = jnp.broadcast_to((k * counts / n_rows)[:, None], table.shape)
+                extra = cast(jax.Array, state.weight_precision)  # kept by the synaptic kind
                 table, weight_precision = synaptic_step(
-                    synaptic, table, gradient, state.weight_precision, increment
+                    synaptic, table, gradient, extra, increment
                 )
             elif self.optimiser is not None:
                 table, opt_state = optax_step(self.optimiser, table, gradient, opt_state)

@@ -30,7 +30,7 @@ gradient); `standard` $u_l = \\delta_l$ (the belief shift; $u_L = E$);
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -159,16 +159,16 @@ class LearningNetwork(AbstractPart):
                 f"{path or '<root>'}: LearningNetwork has no weights to export yet (they are "
                 "drawn when the state is initialised); export pipeline.merge() instead."
             )
-        return tuple(
-            LinearParams(w, b) for w, b in zip(self.network.weights, self.network.biases)
-        )
+        biases = cast(tuple[jax.Array | None, ...], self.network.biases)  # set with weights
+        return tuple(LinearParams(w, b) for w, b in zip(self.network.weights, biases))
 
     def init_state(self, key: jax.Array) -> LearningNetworkState:
         net = self.network
         if net.weights is None:
             weights, biases = net.initial_arrays(key)
         else:
-            weights, biases = net.weights, net.biases
+            # a network given its weights holds its biases too
+            weights, biases = net.weights, cast(tuple[jax.Array | None, ...], net.biases)
         params = NetworkParams(tuple(weights), tuple(biases))
         opt_state = self.opt_state
         if opt_state is None and self.optimiser is not None:
@@ -200,8 +200,9 @@ class LearningNetwork(AbstractPart):
             w, b = state.params.weights, state.params.biases
             for l in range(n_mats):
                 z = a @ w[l].T
-                if b[l] is not None:
-                    z = z + b[l]
+                bias = b[l]
+                if bias is not None:
+                    z = z + bias
                 if l < n_mats - 1:
                     pre_activations.append(z)
                     a = acts[l + 1].value(z)
@@ -226,15 +227,16 @@ class LearningNetwork(AbstractPart):
                 curvature = jnp.broadcast_to(precisions[-1], err.shape)
             else:
                 message = err
-                out = cache.output
+                out = cast(jax.Array, cache.output)  # cached by every head but the gaussian
                 curvature = out * (1.0 - out)
             child_factor = err if kind == "standard" else message
             importance = curvature  # Gauss-Newton diagonal, seeds the synaptic importance
             kappa = curvature
-            grads_w = [None] * n_mats
-            grads_b = [None] * n_mats
-            increments_w = [None] * n_mats
-            increments_b = [None] * n_mats
+            # filled in by the loop below (a bias's slots only where the matrix has a bias)
+            grads_w: list[Any] = [None] * n_mats
+            grads_b: list[Any] = [None] * n_mats
+            increments_w: list[Any] = [None] * n_mats
+            increments_b: list[Any] = [None] * n_mats
             new_precisions = list(precisions)
             for l in reversed(range(n_mats)):
                 a = cache.activations[l]
@@ -251,7 +253,8 @@ class LearningNetwork(AbstractPart):
                     if input_is_identity:
                         input_error = back
                     else:
-                        input_error = acts[0].first(cache.x) * back
+                        x_rows = cast(jax.Array, cache.x)  # cached for a non-identity input
+                        input_error = acts[0].first(x_rows) * back
                     break
                 z = cache.pre_activations[l - 1]
                 first = acts[l].first(z)
@@ -273,14 +276,16 @@ class LearningNetwork(AbstractPart):
             gradients = NetworkParams(tuple(grads_w), tuple(grads_b))
             params, opt_state, weight_precision = state.params, state.opt_state, None
             if synaptic is not None:
+                extra = cast(NetworkParams, state.weight_precision)  # kept by the synaptic kind
                 pairs_w = [
-                    synaptic_step(synaptic, w[l], grads_w[l], state.weight_precision.weights[l],
+                    synaptic_step(synaptic, w[l], grads_w[l], extra.weights[l],
                                   increments_w[l])
                     for l in range(n_mats)
                 ]
                 pairs_b = [
                     None if b[l] is None else synaptic_step(
-                        synaptic, b[l], grads_b[l], state.weight_precision.biases[l],
+                        # where b[l] is an array, so is its precision
+                        synaptic, b[l], grads_b[l], extra.biases[l],  # type: ignore[arg-type]
                         increments_b[l])
                     for l in range(n_mats)
                 ]

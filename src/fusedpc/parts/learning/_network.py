@@ -16,11 +16,13 @@ activations. The output is the head applied to $\\hat z_L$: gaussian (identity),
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float
 
 from fusedpc.parts._activations import ACTIVATIONS, Activation, get_activation
 
@@ -41,7 +43,9 @@ def _positive_precision(value, width: int, what: str) -> jax.Array:
     return arr
 
 
-def initialise_matrix(key: jax.Array, out_width: int, in_width: int, strategy: str) -> jax.Array:
+def initialise_matrix(
+    key: jax.Array, out_width: int, in_width: int, strategy: str
+) -> Float[Array, "out_width in_width"]:  # noqa: F722 - a jaxtyping shape
     """One weight matrix `(out, in)`: xavier $U(-a, a)$, $a = \\sqrt{6/(n_{in} + n_{out})}$;
     he $N(0, 2/n_{in})$; orthogonal (rows or columns orthonormal)."""
     if strategy == "xavier":
@@ -211,22 +215,30 @@ class PCNetwork(eqx.Module):
         """$g_l$: the input activation for $l = 0$, else hidden layer $l$'s."""
         return get_activation(self.input_activation if l == 0 else self.activations[l - 1])
 
-    def apply_head(self, z: jax.Array) -> jax.Array:
+    def apply_head(
+        self, z: Float[Array, "*rows out"]  # noqa: F722 - a jaxtyping shape
+    ) -> Float[Array, "*rows out"]:  # noqa: F722 - a jaxtyping shape
+        """The head on the output layer's pre-activations: softmax (categorical), sigmoid
+        (binary) or the identity (gaussian)."""
         if self.head == "categorical":
             return jax.nn.softmax(z, axis=-1)
         if self.head == "binary":
             return jax.nn.sigmoid(z)
         return z
 
-    def predict(self, x: jax.Array) -> jax.Array:
+    def predict(
+        self, x: Float[Array, "*rows in"]  # noqa: F722 - a jaxtyping shape
+    ) -> Float[Array, "*rows out"]:  # noqa: F722 - a jaxtyping shape
         """The prediction sweep on `(..., in)` rows (for inspection; needs weights)."""
         if self.weights is None:
             raise ValueError("PCNetwork.predict: the network has no weights yet (pass key=).")
         a = self.layer_activation(0).value(x)
+        biases = cast(tuple[jax.Array | None, ...], self.biases)  # set with the weights
         for l in range(self.n_matrices):
             z = a @ self.weights[l].T
-            if self.biases[l] is not None:
-                z = z + self.biases[l]
+            bias = biases[l]
+            if bias is not None:
+                z = z + bias
             if l < self.n_matrices - 1:
                 a = self.layer_activation(l + 1).value(z)
         return self.apply_head(z)
