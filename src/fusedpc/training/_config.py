@@ -51,33 +51,42 @@ def _deprecated(old: list[str], where: str) -> None:
 class TrainConfig:
     """Everything that decides a training run (the CLI's flags and the TOML file's keys).
 
-    **[data]** `text`: a bundled text name (`"hamlet"`) or the path of a UTF-8 file;
-    `tokenizer`: `"char"` (vocabulary = the text's characters) or `"byte"` (256 tokens);
-    `validation_fraction`: the share of the text, at its end, held out for validation.
+    Each attribute is a key of the TOML table named in brackets. A step's batch is $(B, T)$
+    token ids.
 
-    **[model]** `model`: a `GPTConfig` (its `vocab_size` is replaced by the tokeniser's). Its
-    settings: `width`, `n_heads` (must divide `width`), `n_blocks`, `ff_width`, `max_len`
-    (the position table's length, also the tokens per training row $T$); `learn`: the
-    learning slots, a preset (`"all"`, `"ff_head"`, `"none"`) or a comma list of `token,
-    position, attention, feed_forward, norm, head`; `learning_kind`: `"precision_weighted"`,
-    `"standard"` or `"synaptic_uncertainty"` (which needs `window` >= 1); `head_kind`:
-    `"gaussian"` (logits) or `"categorical"` (probabilities); `fused_qkv`,
-    `hidden_precision`, `scan` as in `GPTConfig`.
-
-    **[optimiser]** `optimiser`: `"adam"`, `"adamw"` or `"sgd"` (`make_optimiser`); `lr`;
-    `weight_decay` (adamw); `slot_lr_scales`: per-slot rate multipliers, e.g.
-    `"head=0.5,attention=2"` (the multipliers `fusedpc report` suggests), each slot then gets
-    its own optimiser.
-
-    **[training]** `steps` (the total to reach), `batch` (rows per step per process, $B$),
-    `steps_per_call` (K steps per compiled call), `seed`, `eval_every` (steps between
-    validations; 0: only at the start and the end), `eval_batches`, `report_every` (steps
-    between logged report rows), `save_every` (steps between checkpoints; 0: only at the end),
-    `sample_tokens` and `temperature` of the final sample. A step's batch is $(B, T)$ token
-    ids.
-
-    **[runtime]** `devices` (data-parallel devices; on CPU they are emulated), `distributed`
-    (join a multi-process run with `jax.distributed.initialize()`).
+    Attributes:
+        text: [data] a bundled text name (`"hamlet"`) or the path of a UTF-8 file.
+        tokenizer: [data] `"char"` (vocabulary = the text's characters) or `"byte"` (256
+            tokens).
+        validation_fraction: [data] the share of the text, at its end, held out for
+            validation.
+        model: [model] a `GPTConfig` (its `vocab_size` is replaced by the tokeniser's). Its
+            settings: `width`, `n_heads` (must divide `width`), `n_blocks`, `ff_width`,
+            `max_len` (the position table's length, also the tokens per training row $T$);
+            `learn`: the learning slots, a preset (`"all"`, `"ff_head"`, `"none"`) or a comma
+            list of `token, position, attention, feed_forward, norm, head`; `learning_kind`:
+            `"precision_weighted"`, `"standard"` or `"synaptic_uncertainty"` (which needs
+            `window` >= 1); `head_kind`: `"gaussian"` (logits) or `"categorical"`
+            (probabilities); `fused_qkv`, `hidden_precision`, `scan` as in `GPTConfig`.
+        optimiser: [optimiser] `"adam"`, `"adamw"` or `"sgd"` (`make_optimiser`).
+        lr: [optimiser] the learning rate.
+        weight_decay: [optimiser] the weight decay (adamw).
+        slot_lr_scales: [optimiser] per-slot rate multipliers, e.g. `"head=0.5,attention=2"`
+            (the multipliers `fusedpc report` suggests); each slot then gets its own
+            optimiser.
+        steps: [training] the total of steps to reach.
+        batch: [training] rows per step per process, $B$.
+        steps_per_call: [training] K, the steps per compiled call.
+        seed: [training] the seed of the weights and the batches.
+        eval_every: [training] steps between validations; 0: only at the start and the end.
+        eval_batches: [training] batches per validation.
+        report_every: [training] steps between logged report rows.
+        save_every: [training] steps between checkpoints; 0: only at the end.
+        sample_tokens: [training] the length of the final sample.
+        temperature: [training] the temperature of the final sample.
+        devices: [runtime] data-parallel devices (on CPU they are emulated).
+        distributed: [runtime] whether to join a multi-process run with
+            `jax.distributed.initialize()`.
 
     The keywords of fusedpc 0.1 (`width=`, `heads=`, `blocks=`, `seq=`, ... at the top level)
     and the attributes of those names still work, with a `DeprecationWarning`; they set and

@@ -22,7 +22,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jax import Array
+from jaxtyping import Float
 
 from fusedpc.parts._activations import ACTIVATIONS, Activation, get_activation
 
