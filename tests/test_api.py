@@ -3,8 +3,8 @@
 Public means reachable from the public namespaces below (their `__all__`, or else their
 non-underscore attributes), plus the non-underscore methods and properties of the public
 classes defined in fusedpc (inherited ones from fusedpc bases included). Every parameter but
-`self`/`cls` carries an annotation, and so does the return; `*args` and `**kwargs` are exempt
-(they forward to another annotated callable).
+`self`/`cls` carries an annotation (`*args` and `**kwargs` too: the type of each item), and so
+does the return.
 """
 
 import importlib
@@ -87,12 +87,7 @@ def _missing(function: Callable[..., object], bound: bool) -> list[str]:
     params = list(signature.parameters.values())
     if bound and params:
         params = params[1:]
-    missing = [
-        p.name
-        for p in params
-        if p.annotation is inspect.Parameter.empty
-        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
+    missing = [p.name for p in params if p.annotation is inspect.Parameter.empty]
     if signature.return_annotation is inspect.Signature.empty:
         missing.append("return")
     return missing

@@ -17,6 +17,7 @@ part's keywords: `optimiser`, `learning_kind`, `learning_kwargs`, `update_precis
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -55,7 +56,7 @@ def _check_linear(where: str, linear) -> None:
         raise ValueError(f"{where}: expected a 2-D weight, got shape {linear.weight.shape}.")
 
 
-def from_linear(linear: eqx.nn.Linear, **learning) -> LearningNetwork:
+def from_linear(linear: eqx.nn.Linear, **learning: Any) -> LearningNetwork:
     """A learning part computing `linear(x)` on `(..., in)` rows: sizes `[in, out]`."""
     _check_linear("from_linear", linear)
     net_kw, part_kw = _split_learning("from_linear", learning, ("head", "output_precision",
@@ -69,7 +70,7 @@ def from_linear(linear: eqx.nn.Linear, **learning) -> LearningNetwork:
     return LearningNetwork(network, **part_kw)
 
 
-def from_linears(linears: Sequence[eqx.nn.Linear], **learning) -> LearningNetwork:
+def from_linears(linears: Sequence[eqx.nn.Linear], **learning: Any) -> LearningNetwork:
     """Several linears sharing one input, outputs stacked in order (e.g. a fused Q/K/V)."""
     linears = list(linears)
     if not linears:
@@ -103,7 +104,7 @@ def from_linears(linears: Sequence[eqx.nn.Linear], **learning) -> LearningNetwor
 
 
 def from_feedforward(
-    fc1: eqx.nn.Linear, fc2: eqx.nn.Linear, activation: str = "gelu", **learning
+    fc1: eqx.nn.Linear, fc2: eqx.nn.Linear, activation: str = "gelu", **learning: Any
 ) -> LearningNetwork:
     """`fc2(activation(fc1(x)))` as one learning network: sizes `[in, hidden, out]`.
 
@@ -127,7 +128,7 @@ def from_feedforward(
     return LearningNetwork(network, **part_kw)
 
 
-def from_embedding(embedding: eqx.nn.Embedding, **learning) -> LearningEmbedding:
+def from_embedding(embedding: eqx.nn.Embedding, **learning: Any) -> LearningEmbedding:
     """A learning embedding at the table of `embedding` (gather forward, scatter-add backward).
 
     Accepts `optimiser`, `learning_kind`, `learning_kwargs` and `weight_reuse`.
@@ -143,7 +144,7 @@ def from_embedding(embedding: eqx.nn.Embedding, **learning) -> LearningEmbedding
     return LearningEmbedding(embedding.weight, **learning)
 
 
-def from_layer_norm(layer_norm: eqx.nn.LayerNorm, **learning) -> LearningLayerNorm:
+def from_layer_norm(layer_norm: eqx.nn.LayerNorm, **learning: Any) -> LearningLayerNorm:
     """A LayerNorm whose affine learns (`optimiser`), at the module's weight, bias and eps.
 
     A LayerNorm built without an affine starts from $\\gamma = 1$, $\\beta = 0$.
