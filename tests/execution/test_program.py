@@ -157,6 +157,18 @@ def test_a_shape_error_surfaces_on_the_one_trace_before_anything_is_donated():
     assert pipeline.steps == 1
 
 
+def test_compiled_step_before_the_first_step_leaves_the_pipeline_working():
+    xs, ts = _batches()
+    pipeline = fusedpc.FusedPipeline(_tree(), None)
+    pipeline.compiled_step(xs[0], ts[0])
+    assert pipeline.check(xs[0], ts[0]).shape == (8, 3)
+    pipeline.step(xs[0], ts[0])
+    assert pipeline.steps == 1 and pipeline.trace_counts["step"] == 1
+    for keep in (False, True):  # run's one trace, whatever happened before
+        pipeline.run(xs, ts, keep_outputs=keep)
+    assert pipeline.steps == 1 + 2 * xs.shape[0]
+
+
 def test_compiled_step_is_the_program_the_pipeline_runs():
     xs, ts = _batches()
     pipeline = fusedpc.FusedPipeline(_tree(), None)

@@ -122,14 +122,9 @@ class Setup:
 
     def shard(self, x, axis: int = 0):
         """Place a batch with its batch axis over the mesh's 'data' axis (no mesh: as is)."""
-        if self.mesh is None:
-            return x
-        import jax
+        from fusedpc.execution import shard_batch
 
-        spec = [None] * x.ndim
-        spec[axis] = "data"
-        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
-        return jax.device_put(x, sharding)
+        return shard_batch(x, self.mesh, axis)
 
     def batch(self, i: int):
         """The `i`-th `(ids, targets)` batch (four, taken in turn)."""

@@ -17,6 +17,7 @@ from fusedpc.execution._sharding import data_mesh as data_mesh
 from fusedpc.execution._sharding import initialize_distributed as initialize_distributed
 from fusedpc.execution._sharding import make_global_batch as make_global_batch
 from fusedpc.execution._sharding import process_batch_slice as process_batch_slice
+from fusedpc.execution._sharding import shard_batch as shard_batch
 from fusedpc.execution._sharding import shard_widest as shard_widest
 from fusedpc.execution._sharding import state_shardings as state_shardings
 from fusedpc.execution._unfused import UnfusedPipeline as UnfusedPipeline

@@ -127,12 +127,7 @@ class FusedPipeline:
     def place_batch(self, x: Any, axis: int = 0) -> Any:
         """`x` placed as the step expects it: sharded over the mesh's data axis along `axis`
         (rows; axis 1 for `run`'s stacked batches), or unchanged without a mesh."""
-        if self.mesh is None:
-            return x
-        if not isinstance(x, jax.Array):
-            x = jnp.asarray(x)
-        _sharding.check_batch_divides(x.shape[axis], self.mesh, axis)
-        return jax.device_put(x, _sharding.batch_sharding(self.mesh, x.ndim, axis))
+        return _sharding.shard_batch(x, self.mesh, axis)
 
     # ------------------------------------------------------------------ programs
     def _recording_step(self, carry: StepCarry, x: Any, target: Any):
@@ -179,12 +174,8 @@ class FusedPipeline:
         """
         x_shape = jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
         t_shape = jax.ShapeDtypeStruct(jnp.shape(target), jnp.result_type(target))
-        self._traced_output = None
-        self._step_jit.trace(self._carry, x_shape, t_shape)
-        if self._traced_output is None:  # traced before by this pipeline: read the cache
-            return self._outputs[_validation.signature(x, target, False)]
-        self._outputs[_validation.signature(x, target, False)] = self._traced_output
-        return self._traced_output
+        signature = _validation.signature(x, target, batched=False)
+        return self._traced(self._step_jit, signature, self._carry, x_shape, t_shape)
 
     def _validate_values(self, x: Any) -> None:
         if isinstance(x, jax.Array) and not self.check_device_ids:
@@ -211,8 +202,14 @@ class FusedPipeline:
         compiled or donated; the call that follows reuses it (JAX caches traces)."""
         if signature not in self._outputs:
             self._traced_output = None
-            jitted.trace(*args, **kwargs)
-            self._outputs[signature] = self._traced_output
+            traced = jitted.trace(*args, **kwargs)
+            output = self._traced_output  # recorded by the trace, unless JAX had it cached
+            if output is None:  # (e.g. lowered before through compiled_step)
+                output = traced.out_info[1].output
+            if output is None:  # a cached run without outputs: the forward's shape alone
+                state, x = args[0].state, args[1]
+                output = jax.eval_shape(self.program.predict, state, x[0])
+            self._outputs[signature] = output
         return self._outputs[signature]
 
     # ------------------------------------------------------------------ public API
@@ -262,6 +259,8 @@ class FusedPipeline:
         `as_text()`. Runs nothing; served from the compilation cache after a `step`."""
         self._validate(x, target, batched=False)
         x, target = self.place_batch(x), self.place_batch(target)
+        signature = _validation.signature(x, target, batched=False)
+        self._traced(self._step_jit, signature, self._carry, x, target)
         return self._step_jit.lower(self._carry, x, target).compile()
 
     def predict(self, x: Any) -> jax.Array:

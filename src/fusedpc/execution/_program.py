@@ -12,8 +12,14 @@ program = fusedpc.make_step(tree, "softmax_cross_entropy")
 carry = program.init(jax.random.key(0))
 step = jax.jit(program.step, donate_argnums=0)
 carry, out = step(carry, x, target)          # out.output, out.input_error, out.metrics
-carries = jax.vmap(program.init)(keys)       # several seeds at once ...
-carries, outs = jax.jit(jax.vmap(program.step))(carries, xs, targets)   # ... in one program
+```
+
+Several seeds at once: the weights live in the tree, so build one tree per key under `vmap`
+and step them all with one program (its functions hold no arrays, so any seed's serves):
+
+```python
+carries = jax.vmap(lambda key: fusedpc.make_step(build(key)).init(key))(keys)
+carries, outs = jax.jit(jax.vmap(program.step))(carries, xs, targets)  # xs: (seeds, ...)
 ```
 """
 
