@@ -31,9 +31,8 @@ that a machine shared with other jobs slows them alike (the fairest ratios on su
 machine).
 
 The modules import jax only inside functions, so `--devices N` can set
-`XLA_FLAGS=--xla_force_host_platform_device_count=N` before jax starts its backend
-(importing the `fusedpc` package imports jax but starts no backend; the workers are fresh
-processes that inherit the flag).
+`JAX_NUM_CPU_DEVICES=N` before jax starts its backend (importing the `fusedpc` package
+imports jax but starts no backend; the workers are fresh processes that inherit it).
 
 Timing: the first call (tracing, compiling, one execution) is `first_call_s`; `compile_s`
 is the same figure (the time a user waits before the first step returns; in a worker, a

@@ -13,7 +13,7 @@ from fusedpc.training import HOST_MEMORY_MODES, OPTIMISERS
 VARIANTS = ("fused", "fused_run", "unfused", "backprop")
 """The variants measured by default (one depth)."""
 UNROLLED_VARIANTS = ("fused_unrolled", "fused_run_unrolled")
-"""Fused variants with the blocks as a tuple, unrolled (`GPTConfig(scan=False)`)."""
+"""Fused variants with the blocks as a `Blocks` chain, unrolled (`GPTConfig(scan=False)`)."""
 SCANNED_VARIANTS = ("fused_scan", "fused_run_scan")
 """Fused variants with the blocks always scanned (`GPTConfig(scan=True)`)."""
 SWEEP_VARIANTS = ("fused_scan", "fused_unrolled")
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--devices", type=int, default=d.devices,
-        help="emulated CPU devices (sets XLA_FLAGS before jax starts); batch sharded over them",
+        help="emulated CPU devices (JAX_NUM_CPU_DEVICES for the workers); batch sharded over them",
     )
     p.add_argument(
         "--in-process", action="store_true",

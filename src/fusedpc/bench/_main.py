@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -13,7 +12,6 @@ from fusedpc.bench._workers import (
     in_subprocess,
     run_task,
     step_temporaries,
-    with_device_flags,
     worker_main,
 )
 
@@ -67,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         host_memory_choice(args.host_memory, step_temporaries(args))
         # jax runs here: ask for the devices before it starts its backend (in-process it may
         # be too late, and `Setup` says so)
-        os.environ.update(with_device_flags(dict(os.environ), args.devices))
+        if args.devices > 1:
+            from fusedpc.training import emulate_cpu_devices
+
+            emulate_cpu_devices(args.devices)
 
     rows: list[dict[str, Any]] = []
     peak = None

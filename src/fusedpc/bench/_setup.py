@@ -57,7 +57,7 @@ class Setup:
 
     Raises:
         RuntimeError: when `args.devices` asks for more devices than jax sees (jax started
-            before `XLA_FLAGS` was set).
+            before `JAX_NUM_CPU_DEVICES` was set).
     """
 
     def __init__(self, args: BenchArgs, blocks: int):
@@ -74,7 +74,7 @@ class Setup:
             if jax.device_count() < args.devices:
                 raise RuntimeError(
                     f"--devices {args.devices}: jax sees {jax.device_count()} devices; jax "
-                    "started before XLA_FLAGS was set. Run the bench in a fresh process."
+                    "started before JAX_NUM_CPU_DEVICES was set. Run the bench in a fresh process."
                 )
             self.mesh = jax.sharding.Mesh(jax.devices()[: args.devices], ("data",))
         key = jax.random.key(args.seed)

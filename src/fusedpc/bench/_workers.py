@@ -1,9 +1,10 @@
 """Running one measurement, here or in a fresh measuring process.
 
 A worker is `python -m fusedpc.bench --worker`, its environment this process's plus the
-device count (`XLA_FLAGS`) and the host allocator's settings (read by glibc and XLA when the
-process starts); it reads one request from stdin, the parent's whole `BenchArgs` with the task
-and depth to measure (`worker_request`), and prints the measured row as one JSON line.
+device count (`JAX_NUM_CPU_DEVICES`) and the host allocator's settings (read by glibc and XLA
+when the process starts); it reads one request from stdin, the parent's whole `BenchArgs`
+with the task and depth to measure (`worker_request`), and prints the measured row as one
+JSON line.
 """
 
 from __future__ import annotations
@@ -55,14 +56,12 @@ def wants_reuse(args: BenchArgs) -> bool:
 
 
 def with_device_flags(env: dict[str, str], n: int) -> dict[str, str]:
-    """`env` with `XLA_FLAGS` asking for `n` host-platform devices (unchanged for n = 1)."""
+    """`env` asking for `n` CPU devices (`JAX_NUM_CPU_DEVICES`, the environment form of
+    `jax.config.update("jax_num_cpu_devices", n)` that `fusedpc.training.emulate_cpu_devices`
+    uses; unchanged for n = 1)."""
     if n <= 1:
         return env
-    flags = [
-        f for f in env.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    return {**env, "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])}
+    return {**env, "JAX_NUM_CPU_DEVICES": str(n)}
 
 
 def worker_request(args: BenchArgs, task: str, blocks: int) -> str:
@@ -126,8 +125,11 @@ def worker_main(stdin=None) -> int:
         0.
     """
     args, task, blocks = read_worker_request((stdin or sys.stdin).read())
-    # jax starts here; the device flag came with the environment, it is set again for a
+    # jax starts here; the device count came with the environment, it is set again for a
     # worker started by hand
-    os.environ.update(with_device_flags(dict(os.environ), args.devices))
+    if args.devices > 1:
+        from fusedpc.training import emulate_cpu_devices
+
+        emulate_cpu_devices(args.devices)
     emit(run_task(args, task, blocks))
     return 0
