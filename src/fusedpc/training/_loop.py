@@ -229,6 +229,8 @@ class _Session:
         records; returns the last step's loss."""
         config = self.config
         k = call_size(self.step, config.steps, config.steps_per_call)
+        xs: np.ndarray | jax.Array
+        ys: np.ndarray | jax.Array
         xs, ys = self.batches.next_batches(k)
         if self.processes > 1:
             xs, ys = make_global_batch(xs, self.mesh, 1), make_global_batch(ys, self.mesh, 1)

@@ -7,6 +7,8 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -27,7 +29,8 @@ class StopRequest:
         self.requested = False
         self.aborted = False
         self._on_request = on_request
-        self._previous = None
+        # the SIGINT handler this one replaced, as `signal.signal` returns it
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
 
     def _handle(self, signum, frame):
         if self.requested:
