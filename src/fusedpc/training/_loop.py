@@ -115,7 +115,15 @@ def format_summary(result: TrainResult) -> str:
 class _Session:
     """One `train` call: the pipeline, the data streams, the log and the clock."""
 
-    def __init__(self, config, out, resume_from, stream, interactive, tokenizer):
+    def __init__(
+        self,
+        config: TrainConfig,
+        out: str | os.PathLike | None,
+        resume_from: str | os.PathLike | None,
+        stream: TextIO | None,
+        interactive: bool | None,
+        tokenizer: data.Tokenizer | None,
+    ) -> None:
         self.config = config
         self.leader = jax.process_index() == 0
         self.processes = jax.process_count()
