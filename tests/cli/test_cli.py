@@ -184,6 +184,21 @@ def test_report_prints_the_calibration_table(tiny_run, tmp_path, capsys):
         assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_without_matplotlib_train_and_report_skip_the_plots_with_one_line(
+    train_cli, tiny_run, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    assert main(["report", str(tiny_run / "log.jsonl"), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "plots skipped: matplotlib is not installed" in out and "median ratio" in out
+    assert not list(tmp_path.glob("*.png"))
+    run = tmp_path / "run"
+    assert train_cli("--steps", "2", "--out", str(run)) == 0
+    printed = capsys.readouterr()
+    assert "pip install 'fusedpc[cli]'" in printed.out + printed.err
+    assert (run / "checkpoint.fpc").is_file() and not list(run.glob("*.png"))
+
+
 def _one_error_line(capsys) -> str:
     err = capsys.readouterr().err
     assert "Traceback" not in err

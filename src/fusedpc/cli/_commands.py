@@ -67,8 +67,11 @@ def report_command(args: argparse.Namespace) -> int:
     target = _calibrate.DEFAULT_TARGET if args.target is None else args.target
     table = _calibrate.calibrate(records, target=target, fraction=args.fraction)
     out = args.out or os.path.dirname(os.path.abspath(path))
-    for written in _plots.render_all(records, out, target=target):
-        print(f"wrote {written}")
+    if _plots.plots_available():
+        for written in _plots.render_all(records, out, target=target):
+            print(f"wrote {written}")
+    else:
+        print(_plots.PLOTS_MISSING)
     print(_calibrate.format_table(table, target))
     return 0
 

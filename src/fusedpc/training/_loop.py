@@ -313,9 +313,13 @@ class _Session:
                        "interrupted": interrupted})
         self.log.close()
         if self.leader:
+            plots = []
+            if _plots.plots_available():
+                plots = _plots.render_all(self.log.records, self.out)
+            else:
+                self.say(_plots.PLOTS_MISSING)
             result.files = [self.out / CONFIG_NAME, self.out / LOG_NAME,
-                            self.out / CHECKPOINT_NAME,
-                            *_plots.render_all(self.log.records, self.out)]
+                            self.out / CHECKPOINT_NAME, *plots]
         return result
 
 

@@ -30,6 +30,22 @@ PLOTS = {
 }
 
 
+PLOTS_MISSING = (
+    "plots skipped: matplotlib is not installed (install the CLI extra: "
+    "pip install 'fusedpc[cli]')"
+)
+"""What `fusedpc train` and `fusedpc report` print instead of the plots without matplotlib."""
+
+
+def plots_available() -> bool:
+    """Whether matplotlib can be imported (it comes with the `cli` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _figure(width: float = 8.0, height: float = 4.5):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
