@@ -27,17 +27,6 @@ NAMESPACES = (
     "fusedpc.transplant",
 )
 
-# Qualified names in files whose annotations are still to come; each entry is to be removed
-# once its annotations are in, so that this list ends up empty.
-PENDING: frozenset[str] = frozenset(
-    {
-        "fusedpc.transformer._gpt.Blocks.replace_children",
-        "fusedpc.transformer._gpt.GPTPart.replace_children",
-        "fusedpc.transformer._gpt.TransformerBlock.replace_children",
-    }
-)
-
-
 def _ours(obj: object) -> bool:
     return (getattr(obj, "__module__", None) or "").split(".")[0] == "fusedpc"
 
@@ -99,13 +88,8 @@ def test_public_callables_are_annotated() -> None:
     unannotated = {
         qualname: missing
         for qualname, missing in sorted(found.items())
-        if missing and qualname not in PENDING
+        if missing
     }
     assert not unannotated, "public callables lacking annotations:\n" + "\n".join(
         f"  {qualname}: {', '.join(missing)}" for qualname, missing in unannotated.items()
     )
-
-
-def test_pending_entries_still_exist() -> None:
-    found = {qualname for qualname, _, _ in _callables()}
-    assert not PENDING - found, f"PENDING names no public callable: {sorted(PENDING - found)}"

@@ -133,7 +133,8 @@ def _write_container(file: BinaryIO, pipeline: Any, metadata: Any) -> None:
         for index, (path, leaf) in enumerate(leaves):
             shape, dtype = _describe(leaf)
             host, impl = _to_host(leaf)
-            payload = memoryview(host.reshape(-1).view(np.uint8))
+            # numpy's stubs give ndarray __buffer__ only from Python 3.12 on; we check 3.11
+            payload = memoryview(host.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
             entry = f"leaves/{index:05d}.bin"
             record = {
                 "path": jax.tree_util.keystr(path),

@@ -100,7 +100,7 @@ class FusedPipeline:
         self.trace_counts = {"step": 0, "run": 0, "predict": 0}
         # With a mesh, pin the carry's shardings (the state leaves as placed) so that the
         # donated buffers come back in place; outputs and metrics are left to propagation.
-        pinned = {}
+        pinned: dict[str, Any] = {}
         if self.mesh is not None:
             carry = jax.tree_util.tree_map(lambda a: a.sharding, self._carry)
             pinned = {"out_shardings": (carry, None)}
@@ -313,7 +313,7 @@ class FusedPipeline:
         current = self._carry.state
         expected = jax.tree_util.tree_structure(current)
         actual = jax.tree_util.tree_structure(state)
-        if expected != actual:
+        if expected != actual:  # type: ignore[operator]  # PyTreeDef's stub lacks __ne__
             raise ValueError(
                 f"set_state: the state's tree structure differs from this pipeline's.\n"
                 f"expected: {expected}\nactual:   {actual}"

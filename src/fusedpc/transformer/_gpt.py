@@ -13,6 +13,7 @@ part's input error is the error at the embedding output, `(batch, seq, width)`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -68,7 +69,7 @@ class TransformerBlock(AbstractPart):
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         return tuple((name, getattr(self, name)) for name in _BLOCK_SLOTS)
 
-    def replace_children(self, children) -> TransformerBlock:
+    def replace_children(self, children: Sequence[AbstractPart]) -> TransformerBlock:
         return replace_fields(self, **dict(zip(_BLOCK_SLOTS, children, strict=True)))
 
     def init_state(self, key: jax.Array) -> BlockState:
@@ -132,7 +133,7 @@ class Blocks(AbstractPart):
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         return tuple((f"[{i}]", block) for i, block in enumerate(self.blocks))
 
-    def replace_children(self, children) -> Blocks:
+    def replace_children(self, children: Sequence[AbstractPart]) -> Blocks:
         return replace_fields(self, blocks=tuple(children))
 
     def validate_input(self, x: Any, path: str) -> None:
@@ -233,7 +234,7 @@ class GPTPart(AbstractPart):
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         return tuple((name, getattr(self, name)) for name in _GPT_SLOTS)
 
-    def replace_children(self, children) -> GPTPart:
+    def replace_children(self, children: Sequence[AbstractPart]) -> GPTPart:
         return replace_fields(self, **dict(zip(_GPT_SLOTS, children, strict=True)))
 
     def validate_input(self, x: Any, path: str) -> None:
