@@ -485,12 +485,22 @@ def test_missing_leaf_entry_and_bad_manifest_are_refused(saved, tmp_path):
         "no manifest": dict(drop=("manifest.json",)),
         "bad json": dict(entries={"manifest.json": lambda d: d[:-3]}),
         "bad table": dict(manifest=lambda m: {**m, "leaves": [{"path": 1}]}),
+        # Crafted counters and a missing metadata entry are refused before anything is
+        # replaced (they used to fail after the state was swapped in).
+        "huge steps": dict(manifest=lambda m: {**m, "steps": 2**40}),
+        "negative skipped": dict(manifest=lambda m: {**m, "skipped_steps": -1}),
+        "more skipped than steps": dict(manifest=lambda m: {**m, "skipped_steps": 10**6}),
+        "no metadata": dict(manifest=lambda m: {k: v for k, v in m.items() if k != "metadata"}),
     }
     messages = {
         "missing leaf": "missing from the container",
         "no manifest": "no manifest.json",
         "bad json": "not valid JSON",
         "bad table": "leaf table is malformed",
+        "huge steps": r"'steps' is 1099511627776, not an integer in \[0, 2\*\*31\)",
+        "negative skipped": r"'skipped_steps' is -1",
+        "more skipped than steps": "skipped_steps 1000000 exceeds its steps",
+        "no metadata": "has no 'metadata'",
     }
     for name, change in cases.items():
         bad = tmp_path / f"{name.replace(' ', '_')}.ckpt"

@@ -177,3 +177,20 @@ def test_compiled_step_is_the_program_the_pipeline_runs():
     state_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(pipeline.carry))
     assert compiled.memory_analysis().alias_size_in_bytes == state_bytes  # donated carry
     assert pipeline.trace_counts["step"] == 1
+
+
+def test_report_and_nonfinite_part_refuse_an_inner_step_outside_the_last_call():
+    xs, ts = _batches(steps=3)
+    pipeline = fusedpc.FusedPipeline(_tree(), None)
+    pipeline.run(xs, ts)
+    assert pipeline.report(-3)[0]["part"] == pipeline.report(0)[0]["part"]
+    for call in (pipeline.report, pipeline.nonfinite_part):
+        for index in (3, -4):
+            with pytest.raises(IndexError, match=rf"ran 3 step\(s\).*\[-3, 3\), got {index}"):
+                call(index)
+        with pytest.raises(TypeError, match="index: expected an integer inner step"):
+            call(1.5)
+    pipeline.step(xs[0], ts[0])
+    assert pipeline.nonfinite_part(0) is None and pipeline.report(-1)
+    with pytest.raises(IndexError, match=r"ran 1 step\(s\).*\[-1, 1\), got 1"):
+        pipeline.nonfinite_part(1)

@@ -291,9 +291,20 @@ def _check_manifest(path: str, manifest: Any) -> dict:
         for r in leaves
     ):
         raise _corrupted(path, "the manifest's leaf table is malformed")
-    for key in ("steps", "skipped_steps"):
-        if not isinstance(manifest.get(key), int):
-            raise _corrupted(path, f"the manifest's {key!r} is {manifest.get(key)!r}")
+    for key in ("steps", "skipped_steps"):  # int32 counters on the device
+        value = manifest.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+            raise _corrupted(
+                path, f"the manifest's {key!r} is {value!r}, not an integer in [0, 2**31)"
+            )
+    if manifest["skipped_steps"] > manifest["steps"]:
+        raise _corrupted(
+            path,
+            f"the manifest's skipped_steps {manifest['skipped_steps']} exceeds its steps "
+            f"{manifest['steps']}",
+        )
+    if "metadata" not in manifest or not isinstance(manifest["metadata"], dict | None):
+        raise _corrupted(path, "the manifest has no 'metadata' (a JSON object or null)")
     return manifest
 
 

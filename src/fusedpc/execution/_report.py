@@ -11,7 +11,20 @@ from fusedpc.execution._program import StepMetrics
 
 
 def select_step(metrics: StepMetrics, index: int) -> StepMetrics:
-    """The `index`-th inner step of `run`'s stacked metrics (a `step`'s metrics as they are)."""
+    """The `index`-th inner step of `run`'s stacked metrics (a `step`'s metrics as they are).
+
+    Raises:
+        IndexError: `index` is not an inner step of the last call, `[-K, K)` for `run`'s K
+            steps and `[-1, 1)` for a `step` (JAX would clamp it to another step).
+    """
+    steps = 1 if np.ndim(metrics.committed) == 0 else int(np.shape(metrics.committed)[0])
+    if isinstance(index, bool) or not isinstance(index, int | np.integer):
+        raise TypeError(f"index: expected an integer inner step, got {index!r}.")
+    if not -steps <= index < steps:
+        raise IndexError(
+            f"index: the last call ran {steps} step(s), so the inner step must lie in "
+            f"[{-steps}, {steps}), got {index}."
+        )
     if np.ndim(metrics.committed) == 0:
         return metrics
     return jax.tree_util.tree_map(lambda a: a[index], metrics)
