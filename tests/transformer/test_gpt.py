@@ -284,3 +284,30 @@ def test_slot_optimisers_give_a_slot_its_own_rate(key):
     assert rows["head"] == 0.0 and rows["blocks[0].feed_forward"] > 0.0
     with pytest.raises(ValueError, match=r"slot_optimisers has unknown slots \['wings'\]"):
         fusedpc.build_gpt(config, optax.sgd(0.5), key, slot_optimisers={"wings": None})
+
+
+def test_generate_checks_every_argument_by_name(key):
+    config = fusedpc.GPTConfig(**TINY)
+    part, _ = fusedpc.build_gpt(config, optax.sgd(0.1), key)
+    pipeline = fusedpc.FusedPipeline(part, config.error_fn)
+    prompt = np.zeros((1, 3), np.int32)
+    cases = [
+        (dict(n_new=2.7), TypeError, r"n_new must be an integer number of tokens, got 2.7"),
+        (dict(n_new="5"), TypeError, r"n_new must be an integer number of tokens, got '5'"),
+        (dict(n_new=0), ValueError, r"n_new must be >= 1, got 0"),
+        (dict(n_new=2, temperature=float("nan")), ValueError, r"finite number >= 0.*got nan"),
+        (dict(n_new=2, temperature=-1.0), ValueError, r"finite number >= 0.*got -1.0"),
+        (dict(n_new=2, temperature="hot"), TypeError, r"temperature must be a number"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            fusedpc.generate(pipeline, prompt, **kwargs)
+    with pytest.raises(TypeError, match="prompt_ids must be integer token ids, got dtype float"):
+        fusedpc.generate(pipeline, prompt.astype(np.float32), 2)
+    # A prompt longer than the position table: the model sees its last max_len tokens.
+    long = np.arange(TINY["max_len"] + 3, dtype=np.int32)[None] % TINY["vocab_size"]
+    out = fusedpc.generate(pipeline, long, 2, temperature=0.0)
+    assert out.shape == (1, TINY["max_len"] + 5)
+    np.testing.assert_array_equal(np.asarray(out[:, : long.shape[1]]), long)
+    tail = fusedpc.generate(pipeline, long[:, -TINY["max_len"]:], 2, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out[:, -2:]), np.asarray(tail[:, -2:]))

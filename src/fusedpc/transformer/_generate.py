@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Protocol
 
@@ -70,7 +71,8 @@ def generate(
 
     Each new token is drawn from $\\mathrm{softmax}(\\text{logits}/\\tau)$ at the last position
     ($\\tau$ = `temperature`; `temperature=0` takes the argmax, greedy). The context is the last
-    `max_len` tokens. The whole loop is one compiled program (`lax.fori_loop`), compiled once
+    `max_len` tokens (a longer prompt is kept whole in the result; the model sees its tail).
+    The whole loop is one compiled program (`lax.fori_loop`), compiled once
     per (prompt shape, `n_new`) and cached for the pipeline's step program; the state is read,
     never donated.
     Returns the prompt followed by the new tokens, `(batch, prompt_len + n_new)`.
@@ -87,10 +89,28 @@ def generate(
             f"generate: prompt_ids must have shape (batch, prompt_len) with prompt_len >= 1, "
             f"got {tuple(prompt.shape)}."
         )
-    if not n_new >= 1:
+    if not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise TypeError(
+            f"generate: prompt_ids must be integer token ids, got dtype {prompt.dtype}; "
+            "convert with .astype(np.int32)."
+        )
+    if isinstance(n_new, bool) or not isinstance(n_new, int | np.integer):
+        raise TypeError(
+            f"generate: n_new must be an integer number of tokens, got {n_new!r} "
+            f"({type(n_new).__name__})."
+        )
+    if n_new < 1:
         raise ValueError(f"generate: n_new must be >= 1, got {n_new!r}.")
-    if temperature < 0:
-        raise ValueError(f"generate: temperature must be >= 0, got {temperature!r}.")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
+        raise TypeError(
+            f"generate: temperature must be a number, got {temperature!r} "
+            f"({type(temperature).__name__})."
+        )
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(
+            f"generate: temperature must be a finite number >= 0 (0 samples greedily), got "
+            f"{temperature!r}."
+        )
     tree.validate_input(prompt, "")
     probabilities = getattr(tree, "output", "logits") == "probabilities"
     program = pipeline.program
