@@ -194,3 +194,19 @@ def test_report_and_nonfinite_part_refuse_an_inner_step_outside_the_last_call():
     assert pipeline.nonfinite_part(0) is None and pipeline.report(-1)
     with pytest.raises(IndexError, match=r"ran 1 step\(s\).*\[-1, 1\), got 1"):
         pipeline.nonfinite_part(1)
+
+
+def test_object_string_and_float_class_id_batches_are_named_with_their_dtype():
+    pipeline = fusedpc.FusedPipeline(_tree(), None)
+    x = np.ones((4, 6), np.float32)
+    with pytest.raises(TypeError, match=r"^x: expected an array of numbers, got dtype object"):
+        pipeline.step(x.astype(object), np.ones((4, 3), np.float32))
+    with pytest.raises(TypeError, match=r"^target: expected an array of numbers, got dtype <U"):
+        pipeline.step(x, np.full((4, 3), "a"))
+    assert pipeline.steps == 0
+    head = fusedpc.Sequential([frozen.linear(jnp.eye(6)), frozen.relu()])
+    classes = fusedpc.FusedPipeline(head, "softmax_cross_entropy")
+    message = r"got shape \(4,\) of dtype float32 \(class ids must be an integer dtype"
+    with pytest.raises(ValueError, match=message):
+        classes.step(x, np.zeros((4,), np.float32))
+    assert classes.steps == 0

@@ -53,7 +53,12 @@ def _as_distribution(output: jax.Array, target: jax.Array) -> jax.Array:
     if target.shape != output.shape:
         raise ValueError(
             f"target: expected integer ids of shape {tuple(output.shape[:-1])} or rows of shape "
-            f"{tuple(output.shape)}, got {tuple(target.shape)}."
+            f"{tuple(output.shape)}, got shape {tuple(target.shape)} of dtype {target.dtype}"
+            + (
+                " (class ids must be an integer dtype: convert with .astype(np.int32))."
+                if target.shape == output.shape[:-1]
+                else "."
+            )
         )
     return target.astype(output.dtype)
 

@@ -18,11 +18,17 @@ from fusedpc.core import losses as _losses
 
 
 def check_array(value: Any, name: str) -> None:
-    """Refuse non-arrays (lists, tuples, scalars) at the boundary with an error naming them."""
+    """Refuse non-arrays (lists, tuples, scalars) and arrays of non-numbers (objects, strings)
+    at the boundary with an error naming them and their dtype."""
     if not isinstance(value, jax.Array | np.ndarray):
         raise TypeError(
             f"{name}: expected an array (numpy or jax), got {type(value).__name__}; convert it "
             f"with np.asarray({name})."
+        )
+    if not (jnp.issubdtype(value.dtype, jnp.number) or jnp.issubdtype(value.dtype, jnp.bool_)):
+        raise TypeError(
+            f"{name}: expected an array of numbers, got dtype {value.dtype} (shape "
+            f"{tuple(value.shape)}); convert it to integers or floats first."
         )
 
 
