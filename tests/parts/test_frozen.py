@@ -205,3 +205,25 @@ def test_check_backward_errors():
         ),
     ):
         fusedpc.check_backward(part, jnp.ones((2, 3), jnp.float32))
+
+
+def test_check_backward_catches_a_backward_wrong_on_one_small_row():
+    # Row 2's true input error is 1e-4 of the others': a backward that gets that row entirely
+    # wrong (zero) moves the overall figure by only ~1e-4, but not its own row's.
+    def square_forward(params, x):
+        return x * x, x
+
+    def wrong_on_row_two(params, x, error):
+        return (2.0 * x * error).at[2].set(0.0)
+
+    x = normal(3, (5, 4)).at[2].multiply(1e-4)
+    error = jnp.ones((5, 4), jnp.float32)
+    check = fusedpc.check_backward(fusedpc.Frozen(square_forward, wrong_on_row_two), x, error=error)
+    assert check.overall < 1e-3  # the blind spot of the overall figure alone
+    assert check.worst_row == 2 and check.row_error > 0.05
+    assert check > 1e-2  # the answer itself flags it
+    assert "worst row 2" in repr(check)
+    right = fusedpc.check_backward(
+        fusedpc.Frozen(square_forward, lambda p, x, e: 2.0 * x * e), x, error=error
+    )
+    assert right <= 1e-6 and right.row_error <= 1e-6

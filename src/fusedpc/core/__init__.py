@@ -7,6 +7,7 @@ against `jax.vjp`). This layer imports nothing else of fusedpc.
 """
 
 from fusedpc.core import losses as losses
+from fusedpc.core._check_backward import BackwardCheck as BackwardCheck
 from fusedpc.core._check_backward import check_backward as check_backward
 from fusedpc.core._checks import check_ids as check_ids
 from fusedpc.core._checks import check_part as check_part
