@@ -199,17 +199,13 @@ class FusedPipeline:
         """The output shape for a batch signature, tracing the program once when new.
 
         The trace raises the parts' shape errors (naming their paths) before anything is
-        compiled or donated; the call that follows reuses it (JAX caches traces)."""
+        compiled or donated; the call that follows reuses it (JAX caches traces). Every use
+        of the jitted programs (step, run, check, compiled_step) comes through here first, so
+        a new signature is always a fresh trace, which records the output's shape."""
         if signature not in self._outputs:
-            self._traced_output = None
-            traced = jitted.trace(*args, **kwargs)
-            output = self._traced_output  # recorded by the trace, unless JAX had it cached
-            if output is None:  # (e.g. lowered before through compiled_step)
-                output = traced.out_info[1].output
-            if output is None:  # a cached run without outputs: the forward's shape alone
-                state, x = args[0].state, args[1]
-                output = jax.eval_shape(self.program.predict, state, x[0])
-            self._outputs[signature] = output
+            self._traced_output = None  # never another signature's shape
+            jitted.trace(*args, **kwargs)
+            self._outputs[signature] = self._traced_output
         return self._outputs[signature]
 
     # ------------------------------------------------------------------ public API
