@@ -17,7 +17,9 @@ from fusedpc.core import Core as Core
 from fusedpc.core import check_backward as check_backward
 from fusedpc.execution import CheckpointError as CheckpointError
 from fusedpc.execution import FusedPipeline as FusedPipeline
+from fusedpc.execution import InputRangeError as InputRangeError
 from fusedpc.execution import NonFiniteStepError as NonFiniteStepError
+from fusedpc.execution import SkipReason as SkipReason
 from fusedpc.execution import StepCarry as StepCarry
 from fusedpc.execution import StepMetrics as StepMetrics
 from fusedpc.execution import StepOutput as StepOutput
@@ -27,6 +29,7 @@ from fusedpc.execution import initialize_distributed as initialize_distributed
 from fusedpc.execution import load_checkpoint as load_checkpoint
 from fusedpc.execution import make_global_batch as make_global_batch
 from fusedpc.execution import make_step as make_step
+from fusedpc.execution import pad_rows as pad_rows
 from fusedpc.execution import process_batch_slice as process_batch_slice
 from fusedpc.execution import read_checkpoint_manifest as read_checkpoint_manifest
 from fusedpc.execution import save_checkpoint as save_checkpoint

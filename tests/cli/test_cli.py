@@ -218,6 +218,8 @@ def _one_error_line(capsys) -> str:
         (["--steps", "-3"], "steps must be a positive integer"),
         (["--learn", "attention,brain"], "unknown slots ['brain']"),
         (["--optimiser", "lbfgs"], "optimiser must be one of"),
+        (["--loss-spike", "0.5"], "loss_spike must be 0 (no guard) or a finite factor > 1"),
+        (["--max-update-ratio", "-1"], "max_update_ratio must be a finite number >= 0"),
     ],
 )
 def test_bad_input_exits_with_one_line(args, expected, capsys):
@@ -225,6 +227,22 @@ def test_bad_input_exits_with_one_line(args, expected, capsys):
     line = _one_error_line(capsys)
     assert expected in line
     assert capsys.readouterr().out == ""
+
+
+def test_the_spike_guard_skips_and_logs_its_reason(train_cli, tmp_path, capsys):
+    # A bound no real update meets: every step is refused, and each refusal is said.
+    run = tmp_path / "guarded"
+    assert train_cli("--steps", "5", "--max-update-ratio", "1e-9", "--out", str(run)) == 0
+    printed = capsys.readouterr()
+    skips = _records(run, "skip")
+    assert [r["step"] for r in skips] == [1, 2, 3, 4, 5]
+    assert {r["reason"] for r in skips} == {"update ratio"}
+    assert all(r["part"] and "above max_update_ratio 1e-09" in r["message"] for r in skips)
+    assert "step 1 not committed (update ratio): part" in printed.err  # the run's messages
+    assert "skipped steps               5 (update ratio 5)" in printed.out  # the summary
+    summary = _records(run, "summary")[0]
+    assert summary["skipped_steps"] == 5 and summary["skips"]["update ratio"] == 5
+    assert not any(r["committed"] for r in _records(run, "train"))
 
 
 def test_report_of_a_missing_log_is_one_line(tmp_path, capsys):

@@ -286,7 +286,13 @@ class Holder:
     def __init__(self, state, steps=0, skipped=0):
         self.state, self.steps, self.skipped_steps = state, steps, skipped
 
-    def set_state(self, state, steps, skipped):
+    @property
+    def counters(self):
+        return fusedpc.execution.Counters(jnp.int32(self.steps), jnp.int32(self.skipped_steps))
+
+    def set_state(self, state, steps=0, skipped=0, *, counters=None):
+        if counters is not None:
+            steps, skipped = int(counters.steps), int(counters.skipped)
         self.state, self.steps, self.skipped_steps = state, steps, skipped
 
 

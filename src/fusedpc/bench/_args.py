@@ -20,11 +20,17 @@ SWEEP_VARIANTS = ("fused_scan", "fused_unrolled")
 """The variants a depth sweep measures by default."""
 PROBES = ("peak", "donation")
 """Measurements that are not a training step: the matmul peak and the donation probe."""
+GUARD_VARIANTS = ("fused_guards", "fused_unguarded")
+"""`fused` with every guard on (`max_update_ratio`, `loss_spike`, bounds loose enough that
+nothing is skipped) and with none (`nonfinite="ignore"`): the guards' cost, side by side with
+`fused` (the default rule)."""
 RUN_VARIANTS = ("fused_run", "fused_run_scan", "fused_run_unrolled")
 """The variants that time `FusedPipeline.run` (`k` steps per call)."""
-FUSED_VARIANTS = ("fused", "fused_run", *SCANNED_VARIANTS, *UNROLLED_VARIANTS)
+FUSED_VARIANTS = (
+    "fused", "fused_run", *SCANNED_VARIANTS, *UNROLLED_VARIANTS, *GUARD_VARIANTS
+)
 """Every variant that runs a `FusedPipeline`."""
-ALL_VARIANTS = VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + PROBES
+ALL_VARIANTS = VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + GUARD_VARIANTS + PROBES
 """Every name `--variants` accepts."""
 
 
@@ -208,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants", type=_variant_list, default=None,
         help="comma-separated variants: fused,fused_run,unfused,backprop (the default), "
         "fused_scan,fused_run_scan (blocks always scanned), fused_unrolled,fused_run_unrolled "
-        "(blocks a tuple, unrolled); fused and fused_run use build_gpt's scan='auto' (the "
+        "(blocks a tuple, unrolled), fused_guards,fused_unguarded (every step guard on, or "
+        "none: their cost); fused and fused_run use build_gpt's scan='auto' (the "
         "sweep's default is fused_scan,fused_unrolled); the probes peak and "
         "donation may be named too (--variants donation runs the donation probe alone)",
     )

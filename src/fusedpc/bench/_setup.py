@@ -116,9 +116,12 @@ class Setup:
         import fusedpc
 
         config, part, _ = self.build(scan=variant_scan(variant))
-        return fusedpc.FusedPipeline(
-            part, config.error_fn, mesh=self.mesh, nonfinite=self.args.nonfinite
-        )
+        guards: dict[str, Any] = {"nonfinite": self.args.nonfinite}
+        if variant == "fused_guards":  # loose bounds: every rule computed, nothing skipped
+            guards.update(max_update_ratio=1.0, loss_spike=100.0)
+        elif variant == "fused_unguarded":
+            guards["nonfinite"] = "ignore"
+        return fusedpc.FusedPipeline(part, config.error_fn, mesh=self.mesh, **guards)
 
     def shard(self, x, axis: int = 0):
         """Place a batch with its batch axis over the mesh's 'data' axis (no mesh: as is)."""

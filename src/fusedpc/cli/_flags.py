@@ -37,6 +37,10 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--eval-batches", "validation batches per evaluation"),
     ("--report-every", "steps between logged step reports"),
     ("--save-every", "steps between checkpoints; 0: only at the end"),
+    ("--max-update-ratio", "skip a step in which a part's update/weight norm ratio exceeds "
+     "this; 0: no bound"),
+    ("--loss-spike", "skip a step whose loss exceeds this factor (> 1) times the running mean "
+     "loss; 0: no guard"),
     ("--sample-tokens", "tokens of the sample generated at the end; 0: none"),
     ("--temperature", "temperature of the sample (0: greedy)"),
     ("--devices", "data-parallel devices; on CPU they are emulated"),

@@ -9,10 +9,13 @@ against `jax.vjp`). This layer imports nothing else of fusedpc.
 from fusedpc.core import losses as losses
 from fusedpc.core._check_backward import BackwardCheck as BackwardCheck
 from fusedpc.core._check_backward import check_backward as check_backward
+from fusedpc.core._checks import IdRangeCheck as IdRangeCheck
 from fusedpc.core._checks import check_ids as check_ids
 from fusedpc.core._checks import check_part as check_part
 from fusedpc.core._checks import expect_last_axis as expect_last_axis
 from fusedpc.core._checks import expect_rank as expect_rank
+from fusedpc.core._checks import id_range_check as id_range_check
+from fusedpc.core._checks import lookup_rows as lookup_rows
 from fusedpc.core._metrics import AbstractMetrics as AbstractMetrics
 from fusedpc.core._metrics import FiniteFlag as FiniteFlag
 from fusedpc.core._metrics import Named as Named

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,3 +76,58 @@ def check_ids(ids: Any, vocab: int, path: str, what: str = "token ids") -> None:
         raise ValueError(
             f"{display_path(path)}: {what} must lie in [0, {vocab}), got {bad}."
         )
+
+
+class IdRangeCheck(eqx.Module):
+    """An in-program check that integer ids lie in `[0, bound)`, made inside the compiled step.
+
+    The executor refuses (does not commit) a step whose check fails, without a host round
+    trip; the host reads the check only to explain a refused step. `low`/`high` are the
+    smallest and largest id seen (int32 scalars), `ok` whether both lie in range.
+
+    Attributes:
+        ok, low, high: device scalars.
+        bound: the exclusive upper end of the range (the vocabulary or the output width).
+        path: the part (or the root, `""`) whose input the ids are.
+        what: `"token ids"` or `"class ids"`.
+        argument: the argument that carried them (`"x"`, `"target"`); the pipeline names
+            `run`'s stacked arguments `"xs"`/`"targets"`.
+    """
+
+    ok: jax.Array
+    low: jax.Array
+    high: jax.Array
+    bound: int = eqx.field(static=True)
+    path: str = eqx.field(static=True)
+    what: str = eqx.field(static=True, default="token ids")
+    argument: str = eqx.field(static=True, default="x")
+
+    def message(self, argument: str | None = None) -> str:
+        """The host-side explanation of a failed check (reads `low` and `high`)."""
+        low, high = int(np.asarray(self.low)), int(np.asarray(self.high))
+        bad = low if low < 0 else high
+        return (
+            f"{argument or self.argument}: {self.what} must lie in [0, {self.bound}) (part "
+            f"{display_path(self.path)!r}), got {bad}."
+        )
+
+
+def id_range_check(
+    ids: jax.Array, bound: int, path: str, what: str = "token ids", argument: str = "x"
+) -> IdRangeCheck:
+    """The `IdRangeCheck` of integer `ids` against `[0, bound)` (a min and a max on device)."""
+    ids = jnp.asarray(ids)
+    low = jnp.min(ids).astype(jnp.int32)
+    high = jnp.max(ids).astype(jnp.int32)
+    return IdRangeCheck((low >= 0) & (high < bound), low, high, int(bound), path, what, argument)
+
+
+def lookup_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """`table[ids]` with NaN rows for ids outside `[0, V)` (negative ones included).
+
+    A plain gather would clamp large ids or wrap negative ones onto real rows without a word;
+    NaN rows make an out-of-range id visible in any output computed from it (a `predict` on
+    device ids, say) at no host round trip."""
+    valid = (ids >= 0) & (ids < table.shape[0])
+    rows = jnp.take(table, jnp.where(valid, ids, 0), axis=0)
+    return jnp.where(valid[..., None], rows, jnp.asarray(jnp.nan, table.dtype))

@@ -64,6 +64,19 @@ class AbstractPart(eqx.Module):
         vocabulary, say) override this. The default accepts everything.
         """
 
+    def input_checks(self, x: Any, path: str) -> tuple[Any, ...]:
+        """Optional in-program checks of the input's values, traced inside the step.
+
+        The device-side twin of `validate_input`: return `IdRangeCheck`s (from
+        `fusedpc.core.id_range_check`) for constraints that shapes cannot express; the
+        executor refuses a step whose check fails, names the part and, under
+        `nonfinite="raise"`, raises at the next call naming the argument, the value and the
+        range. Composites forward the call to the part that receives their input. The
+        default checks nothing.
+        """
+        del x, path
+        return ()
+
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         """The direct child parts as `(name, part)` pairs, in forward order.
 

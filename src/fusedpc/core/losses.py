@@ -2,7 +2,8 @@
 
 An `ErrorFunction` pairs `error(output, target)` — the per-row descent error
 $E = \\partial \\ell_r / \\partial \\text{output}$ — with the scalar loss it is the gradient of
-(the row mean of $\\ell_r$), which the executor reports as `loss`.
+(the row mean of $\\ell_r$), which the executor reports as `loss`, and the row losses
+$\\ell_r$ themselves, which a step with a row mask averages over the real rows only.
 
 * `squared`: $E = y - t$, loss $\\operatorname{mean}_r \\tfrac12 \\lVert y_r - t_r \\rVert^2$.
 * `softmax_cross_entropy`: the output holds logits;
@@ -34,12 +35,16 @@ class ErrorFunction(NamedTuple):
         name: shown in messages and reports.
         class_ids: whether integer targets are class ids (one-hot rows of the output's
             width), so that the executor checks them against `[0, width)`.
+        row_loss: `row_loss(output, target) -> (rows...)`, the loss of each row ($\\ell_r$,
+            whose mean is `loss`), or `None`; a masked step reports
+            $\\sum_r w_r \\ell_r / \\sum_r w_r$ with it (NaN without it).
     """
 
     error: Callable[[jax.Array, jax.Array], jax.Array]
     loss: Callable[[jax.Array, jax.Array], jax.Array] | None
     name: str
     class_ids: bool = False
+    row_loss: Callable[[jax.Array, jax.Array], jax.Array] | None = None
 
 
 def _as_distribution(output: jax.Array, target: jax.Array) -> jax.Array:
@@ -76,27 +81,27 @@ def _squared_error(output, target):
     return output - target.astype(output.dtype)
 
 
-def _squared_loss(output, target):
+def _squared_rows(output, target):
     diff = output - target.astype(output.dtype)
-    return 0.5 * jnp.mean(jnp.sum(diff * diff, axis=-1))
+    return 0.5 * jnp.sum(diff * diff, axis=-1)
 
 
 def _softmax_ce_error(output, target):
     return jax.nn.softmax(output, axis=-1) - _as_distribution(output, target)
 
 
-def _softmax_ce_loss(output, target):
+def _softmax_ce_rows(output, target):
     logp = jax.nn.log_softmax(output, axis=-1)
-    return -jnp.mean(jnp.sum(_as_distribution(output, target) * logp, axis=-1))
+    return -jnp.sum(_as_distribution(output, target) * logp, axis=-1)
 
 
 def _probs_ce_error(output, target):
     return output - _as_distribution(output, target)
 
 
-def _probs_ce_loss(output, target):
+def _probs_ce_rows(output, target):
     logp = jnp.log(jnp.clip(output, 1e-30, 1.0))
-    return -jnp.mean(jnp.sum(_as_distribution(output, target) * logp, axis=-1))
+    return -jnp.sum(_as_distribution(output, target) * logp, axis=-1)
 
 
 def _binary_error(output, target):
@@ -104,18 +109,32 @@ def _binary_error(output, target):
     return output - target.astype(output.dtype)
 
 
-def _binary_loss(output, target):
+def _binary_rows(output, target):
     t = target.astype(output.dtype)
     p = jnp.clip(output, 1e-7, 1.0 - 1e-7)
-    return -jnp.mean(jnp.sum(t * jnp.log(p) + (1.0 - t) * jnp.log1p(-p), axis=-1))
+    return -jnp.sum(t * jnp.log(p) + (1.0 - t) * jnp.log1p(-p), axis=-1)
 
 
-squared = ErrorFunction(_squared_error, _squared_loss, "squared")
-softmax_cross_entropy = ErrorFunction(
-    _softmax_ce_error, _softmax_ce_loss, "softmax_cross_entropy", class_ids=True
+def _row_mean(row_loss):
+    """The loss of a row loss: its mean over every row."""
+
+    def loss(output, target):
+        return jnp.mean(row_loss(output, target))
+
+    loss.__name__ = row_loss.__name__.replace("_rows", "_loss")
+    return loss
+
+
+def _make(error, row_loss, name: str, class_ids: bool = False) -> ErrorFunction:
+    return ErrorFunction(error, _row_mean(row_loss), name, class_ids, row_loss)
+
+
+squared = _make(_squared_error, _squared_rows, "squared")
+softmax_cross_entropy = _make(
+    _softmax_ce_error, _softmax_ce_rows, "softmax_cross_entropy", class_ids=True
 )
-cross_entropy = ErrorFunction(_probs_ce_error, _probs_ce_loss, "cross_entropy", class_ids=True)
-sigmoid_cross_entropy = ErrorFunction(_binary_error, _binary_loss, "sigmoid_cross_entropy")
+cross_entropy = _make(_probs_ce_error, _probs_ce_rows, "cross_entropy", class_ids=True)
+sigmoid_cross_entropy = _make(_binary_error, _binary_rows, "sigmoid_cross_entropy")
 
 BY_NAME = {
     f.name: f for f in (squared, softmax_cross_entropy, cross_entropy, sigmoid_cross_entropy)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedpc._version import __version__
+from fusedpc.execution._program import SKIP_REASONS, Counters
 
 FORMAT_NAME = "fusedpc-checkpoint"
 FORMAT_VERSION = 1
@@ -160,11 +161,71 @@ def _write_container(file: BinaryIO, pipeline: Any, metadata: Any) -> None:
             "byteorder": "little",
             "steps": int(pipeline.steps),
             "skipped_steps": int(pipeline.skipped_steps),
+            "guard": _guard_record(pipeline.counters),
             "treedef": _normalised_treedef(state),
             "leaves": records,
             "metadata": metadata,
         }
         zf.writestr(_zip_info(MANIFEST_ENTRY), _dump_json(manifest))
+
+
+def _guard_record(counters: Counters) -> dict[str, Any]:
+    """The counters beyond steps and skipped steps: skips by reason and the running loss."""
+    count = int(np.asarray(counters.loss_count))
+    mean = float(np.asarray(counters.loss_mean))  # float32 -> float64 is exact
+    return {
+        "skips": dict(zip(SKIP_REASONS, map(int, np.asarray(counters.skips)), strict=True)),
+        "loss_mean": mean if count and np.isfinite(mean) else None,
+        "loss_count": count,
+    }
+
+
+def _counters_from(manifest: dict) -> Counters:
+    """The `Counters` a (validated) manifest describes; a manifest from before the guard
+    (fusedpc 0.2.0 and older) counts every skipped step as non-finite."""
+    steps = jnp.asarray(manifest["steps"], jnp.int32)
+    skipped = jnp.asarray(manifest["skipped_steps"], jnp.int32)
+    guard = manifest.get("guard")
+    if guard is None:
+        return Counters(steps, skipped)
+    mean = guard["loss_mean"]
+    return Counters(
+        steps,
+        skipped,
+        jnp.asarray([guard["skips"][r] for r in SKIP_REASONS], jnp.int32),
+        jnp.asarray(0.0 if mean is None else mean, jnp.float32),
+        jnp.asarray(guard["loss_count"], jnp.int32),
+    )
+
+
+def _check_guard(path: str, manifest: dict) -> None:
+    guard = manifest.get("guard")
+    if guard is None:
+        return
+    skips = guard.get("skips") if isinstance(guard, dict) else None
+    if not isinstance(skips, dict) or sorted(skips) != sorted(SKIP_REASONS):
+        raise _corrupted(
+            path, f"the manifest's guard.skips is {skips!r}, not a count for each of "
+            f"{list(SKIP_REASONS)}"
+        )
+    for reason, value in skips.items():
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+            raise _corrupted(path, f"the manifest's guard.skips[{reason!r}] is {value!r}")
+    if sum(skips.values()) != manifest["skipped_steps"]:
+        raise _corrupted(
+            path,
+            f"the manifest's guard.skips add up to {sum(skips.values())}, not its "
+            f"skipped_steps {manifest['skipped_steps']}",
+        )
+    count, mean = guard.get("loss_count"), guard.get("loss_mean", 0.0)
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count < 2**31:
+        raise _corrupted(path, f"the manifest's guard.loss_count is {count!r}")
+    if not (mean is None or isinstance(mean, float | int) and not isinstance(mean, bool)):
+        raise _corrupted(path, f"the manifest's guard.loss_mean is {mean!r}, not a number")
+    if (mean is None) != (count == 0):
+        raise _corrupted(
+            path, f"the manifest's guard.loss_mean {mean!r} does not fit loss_count {count}"
+        )
 
 
 def _open_for_writing(path: str) -> BinaryIO:
@@ -303,6 +364,7 @@ def _check_manifest(path: str, manifest: Any) -> dict:
             f"the manifest's skipped_steps {manifest['skipped_steps']} exceeds its steps "
             f"{manifest['steps']}",
         )
+    _check_guard(path, manifest)
     if "metadata" not in manifest or not isinstance(manifest["metadata"], dict | None):
         raise _corrupted(path, "the manifest has no 'metadata' (a JSON object or null)")
     return manifest
@@ -507,7 +569,7 @@ def load_checkpoint(pipeline: Any, path: str | os.PathLike) -> Any:
             )
         leaves = [_read_leaf(zf, path, record) for record in records]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(current), leaves)
-    pipeline.set_state(state, manifest["steps"], manifest["skipped_steps"])
+    pipeline.set_state(state, counters=_counters_from(manifest))
     return manifest["metadata"]
 
 

@@ -17,12 +17,13 @@ import numpy as np
 
 from fusedpc.core import losses as _losses
 from fusedpc.core._checks import check_part
-from fusedpc.core._metrics import report_rows
+from fusedpc.core._metrics import iter_metrics, report_rows
 from fusedpc.core._part import PyTree
 from fusedpc.execution import _report, _sharding, _validation
 from fusedpc.execution._program import (
     NONFINITE_POLICIES,
     NORMALISATIONS,
+    SKIP_REASONS,
     Counters,
     StepCarry,
     StepMetrics,
@@ -39,27 +40,40 @@ class NonFiniteStepError(FloatingPointError):
     """Raised (policy `"raise"`) when a step produced NaN or infinity; names the part."""
 
 
+class InputRangeError(ValueError):
+    """Raised (policy `"raise"`) when a step's ids (token ids, class ids) were out of range;
+    names the argument, the value and the range."""
+
+
 class FusedPipeline:
     """Trains a tree of parts; every step is one compiled XLA program with its state donated.
 
     Args:
         tree: the root part.
         error_fn: the descent error at the output, as for `fusedpc.make_step`.
-        error_normalisation: `"active"` or `"rows"`, as for `fusedpc.make_step`.
+        error_normalisation: `"rows"` (default) or `"active"` (opt-in), as for
+            `fusedpc.make_step`; say padding with `step(..., mask=...)`.
         key: PRNG key for the parts' initial state (default `jax.random.key(0)`).
         nonfinite: what a step whose new state, output or input error holds NaN/inf does:
             `"skip"` keeps the old state (inside the program) and counts the step as skipped;
             `"raise"` does the same and raises `NonFiniteStepError` at the next call;
-            `"ignore"` commits it anyway.
+            `"ignore"` commits it anyway. A norm that overflows float32 counts as infinite.
+            An out-of-range id always refuses the step; under `"raise"` the next call raises
+            `InputRangeError`.
+        max_update_ratio: the spike guard: refuse (inside the program) a step in which any
+            learning part's update / weight norm ratio exceeds this bound. None: no bound.
+        loss_spike: refuse a step whose loss exceeds this factor (> 1) times the running
+            mean of committed losses, from the 10th committed step on. None: no guard.
         mesh: a `jax.sharding.Mesh` with a `"data"` axis (e.g. `fusedpc.data_mesh()`): batches
             are sharded over it and the state replicated, so every row mean becomes a
             cross-device reduction inserted by the compiler. Its axes are used as `Auto`.
         state_sharding: with a mesh, an optional rule `(path, leaf) -> PartitionSpec | None`
             placing state leaves (e.g. `fusedpc.shard_widest(mesh)` over a `"model"` axis);
             `None` replicates. The state keeps these shardings after every step.
-        check_device_ids: value checks of inputs (token ids inside the vocabulary) run on host
-            arrays always; on arrays already on the device only when True, since reading
-            them back costs a device-to-host transfer per call.
+        check_device_ids: ids (token ids, class-id targets) are checked inside the compiled
+            step always (an out-of-range id refuses the step, no host round trip) and on
+            host arrays before the call. With True, device arrays are read back and checked
+            before the call too (a device-to-host transfer per call), `predict`'s included.
 
     Only the state is donated: after `step`, arrays previously read from `pipeline.state` are
     dead; the caller's batch and the part objects the pipeline was built from stay valid.
@@ -69,10 +83,12 @@ class FusedPipeline:
         self,
         tree: Any,
         error_fn: _losses.ErrorFunction | str | Callable | None = None,
-        error_normalisation: str = "active",
+        error_normalisation: str = "rows",
         *,
         key: jax.Array | None = None,
         nonfinite: str = "skip",
+        max_update_ratio: float | None = None,
+        loss_spike: float | None = None,
         mesh: jax.sharding.Mesh | None = None,
         state_sharding: _sharding.StateSharding | None = None,
         check_device_ids: bool = False,
@@ -80,8 +96,15 @@ class FusedPipeline:
         check_part(tree, "FusedPipeline(tree)")
         self.tree = tree
         self.program: StepProgram = make_step(
-            tree, error_fn, error_normalisation, nonfinite=nonfinite
+            tree,
+            error_fn,
+            error_normalisation,
+            nonfinite=nonfinite,
+            max_update_ratio=max_update_ratio,
+            loss_spike=loss_spike,
         )
+        self.max_update_ratio = self.program.max_update_ratio
+        self.loss_spike = self.program.loss_spike
         self.error_fn = self.program.error_fn
         self.error_normalisation = error_normalisation
         self.nonfinite = nonfinite
@@ -94,6 +117,7 @@ class FusedPipeline:
         # init copies: the part objects' own arrays must survive the first donated step.
         self._carry = self._place_carry(self.program.init(key))
         self._last: StepMetrics | None = None
+        self._last_stacked = False
         self._pending: StepMetrics | None = None
         self._outputs: dict = {}  # batch signature -> the output's shape, from the one trace
         self._traced_output: jax.ShapeDtypeStruct | None = None
@@ -130,18 +154,18 @@ class FusedPipeline:
         return _sharding.shard_batch(x, self.mesh, axis)
 
     # ------------------------------------------------------------------ programs
-    def _recording_step(self, carry: StepCarry, x: Any, target: Any):
-        carry, out = self.program.step(carry, x, target)
+    def _recording_step(self, carry: StepCarry, x: Any, target: Any, mask: Any = None):
+        carry, out = self.program.step(carry, x, target, mask)
         self._traced_output = jax.ShapeDtypeStruct(jnp.shape(out.output), out.output.dtype)
         return carry, out
 
-    def _step_program(self, carry, x, target):
-        result = self._recording_step(carry, x, target)
+    def _step_program(self, carry, x, target, mask=None):
+        result = self._recording_step(carry, x, target, mask)
         self.trace_counts["step"] += 1  # counted once the trace succeeded
         return result
 
-    def _run_program(self, carry, xs, targets, keep_outputs=True):
-        result = scan_steps(self._recording_step, carry, xs, targets, keep_outputs)
+    def _run_program(self, carry, xs, targets, masks=None, keep_outputs=True):
+        result = scan_steps(self._recording_step, carry, xs, targets, keep_outputs, masks)
         self.trace_counts["run"] += 1
         return result
 
@@ -150,20 +174,31 @@ class FusedPipeline:
         self.trace_counts["predict"] += 1
         return result
 
+
     # ------------------------------------------------------------------ checks
     def _check_pending(self) -> None:
         """Policy `"raise"`: raise for a previous step that was not finite."""
         if self.nonfinite != "raise" or self._pending is None:
             return
         pending, self._pending = self._pending, None
-        committed = np.asarray(pending.committed).reshape(-1)
-        if not committed.all():
-            bad = int(np.argmin(committed))
-            raise NonFiniteStepError(
-                f"step {bad} of the last call produced a non-finite value first in part "
-                f"{_report.first_nonfinite(pending, bad)!r}; the state was kept as it was "
-                "before that step. Lower that part's learning rate or check its inputs."
+        codes = np.asarray(pending.skip_reason).reshape(-1)
+        raising = (SKIP_REASONS.index("id out of range") + 1, SKIP_REASONS.index("non-finite") + 1)
+        bad_steps = np.flatnonzero(np.isin(codes, raising))
+        if not bad_steps.size:
+            return
+        bad = int(bad_steps[0])
+        skip = _report.skip_reason(pending, bad, stacked=self._last_stacked)
+        assert skip is not None
+        if skip.reason.endswith("out of range"):
+            raise InputRangeError(
+                f"step {bad} of the last call was not committed: {skip.message} The state was "
+                "kept as it was before that step."
             )
+        raise NonFiniteStepError(
+            f"step {bad} of the last call produced a non-finite value first in part "
+            f"{skip.part!r}; the state was kept as it was before that step. Lower that "
+            "part's learning rate or check its inputs."
+        )
 
     def check(self, x: Any, target: Any) -> jax.ShapeDtypeStruct:
         """Check the tree against a batch by tracing the step (nothing is compiled or run).
@@ -174,15 +209,15 @@ class FusedPipeline:
         """
         x_shape = jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
         t_shape = jax.ShapeDtypeStruct(jnp.shape(target), jnp.result_type(target))
-        signature = _validation.signature(x, target, batched=False)
-        return self._traced(self._step_jit, signature, self._carry, x_shape, t_shape)
+        signature = (*_validation.signature(x, target, batched=False), None)
+        return self._traced(self._step_jit, signature, self._carry, x_shape, t_shape, None)
 
     def _validate_values(self, x: Any) -> None:
         if isinstance(x, jax.Array) and not self.check_device_ids:
             x = jax.ShapeDtypeStruct(x.shape, x.dtype)
         self.tree.validate_input(x, "")
 
-    def _validate(self, x: Any, target: Any, batched: bool) -> None:
+    def _validate(self, x: Any, target: Any, batched: bool, mask: Any = None) -> None:
         """Host checks that need no trace: arrays, rows, values (and `run`'s step axis, which
         its scan needs). A step's row axis is checked after the trace (`_check_rows`): the
         tree's own checks come first, they say more."""
@@ -191,9 +226,13 @@ class FusedPipeline:
         _validation.check_array(target, t_name)
         _validation.check_non_empty(x, x_name)
         self._validate_values(x)
+        if mask is not None:
+            _validation.check_mask(mask, "masks" if batched else "mask")
         if batched:
             _validation.check_batch_rank(x, x_name, batched)
             _validation.check_same_steps(x, target)
+            if mask is not None:
+                _validation.check_same_steps(x, mask, "masks")
 
     def _traced(self, jitted, signature: tuple, *args, **kwargs) -> jax.ShapeDtypeStruct:
         """The output shape for a batch signature, tracing the program once when new.
@@ -209,58 +248,92 @@ class FusedPipeline:
         return self._outputs[signature]
 
     # ------------------------------------------------------------------ public API
-    def step(self, x: Any, target: Any) -> tuple[jax.Array, Any]:
-        """One training step, one compiled call. Returns `(output, input_error)`."""
+    def step(self, x: Any, target: Any, mask: Any = None) -> tuple[jax.Array, Any]:
+        """One training step, one compiled call. Returns `(output, input_error)`.
+
+        `mask` (optional, the output's shape without its last axis): row weights, 0 for
+        padding rows; the step then follows the masked mean loss exactly (see
+        `StepProgram.step`)."""
         self._check_pending()
-        self._validate(x, target, batched=False)
+        self._validate(x, target, batched=False, mask=mask)
         x, target_placed = self.place_batch(x), self.place_batch(target)
-        signature = _validation.signature(x, target, batched=False)
-        out = self._traced(self._step_jit, signature, self._carry, x, target_placed)
+        mask_placed = None if mask is None else self.place_batch(mask)
+        signature = (
+            *_validation.signature(x, target, batched=False),
+            _validation.mask_signature(mask),
+        )
+        out = self._traced(
+            self._step_jit, signature, self._carry, x, target_placed, mask_placed
+        )
         _validation.check_batch_rank(x, "x", batched=False)
         _validation.check_class_ids(
             self.error_fn, target, out.shape[-1], "target", self.check_device_ids
         )
-        self._carry, result = self._step_jit(self._carry, x, target_placed)
+        self._carry, result = self._step_jit(self._carry, x, target_placed, mask_placed)
         self._last = self._pending = result.metrics
+        self._last_stacked = False
         return result.output, result.input_error
 
     def run(
-        self, xs: Any, targets: Any, *, keep_outputs: bool = True
+        self, xs: Any, targets: Any, *, masks: Any = None, keep_outputs: bool = True
     ) -> tuple[Any, Any, StepMetrics]:
-        """K steps in one compiled call (`lax.scan` over the leading axis of `xs`/`targets`).
+        """K steps in one compiled call (`lax.scan` over the leading axis of `xs`/`targets`
+        and `masks`, `(K, rows...)`, if given).
 
         Equal to K calls of `step`. Returns stacked `(outputs, input_errors, metrics)`;
         with `keep_outputs=False` the outputs and input errors are not kept (`None`), which
         saves their memory when only the losses and reports are wanted.
         """
         self._check_pending()
-        self._validate(xs, targets, batched=True)
+        self._validate(xs, targets, batched=True, mask=masks)
         xs, targets_placed = self.place_batch(xs, axis=1), self.place_batch(targets, axis=1)
-        signature = (*_validation.signature(xs, targets, batched=True), keep_outputs)
+        masks_placed = None if masks is None else self.place_batch(masks, axis=1)
+        signature = (
+            *_validation.signature(xs, targets, batched=True),
+            _validation.mask_signature(masks),
+            keep_outputs,
+        )
         out = self._traced(
-            self._run_jit, signature, self._carry, xs, targets_placed, keep_outputs=keep_outputs
+            self._run_jit,
+            signature,
+            self._carry,
+            xs,
+            targets_placed,
+            masks_placed,
+            keep_outputs=keep_outputs,
         )
         _validation.check_class_ids(
             self.error_fn, targets, out.shape[-1], "targets", self.check_device_ids
         )
         self._carry, result = self._run_jit(
-            self._carry, xs, targets_placed, keep_outputs=keep_outputs
+            self._carry, xs, targets_placed, masks_placed, keep_outputs=keep_outputs
         )
         self._last = self._pending = result.metrics
+        self._last_stacked = True
         return result.output, result.input_error, result.metrics
 
-    def compiled_step(self, x: Any, target: Any) -> jax.stages.Compiled:
+    def compiled_step(self, x: Any, target: Any, mask: Any = None) -> jax.stages.Compiled:
         """The compiled step program for this batch's shapes, as `step` runs it (state
         donated, shardings pinned): for `memory_analysis()`, `cost_analysis()` or
         `as_text()`. Runs nothing; served from the compilation cache after a `step`."""
-        self._validate(x, target, batched=False)
+        self._validate(x, target, batched=False, mask=mask)
         x, target = self.place_batch(x), self.place_batch(target)
-        signature = _validation.signature(x, target, batched=False)
-        self._traced(self._step_jit, signature, self._carry, x, target)
-        return self._step_jit.lower(self._carry, x, target).compile()
+        mask = None if mask is None else self.place_batch(mask)
+        signature = (
+            *_validation.signature(x, target, batched=False),
+            _validation.mask_signature(mask),
+        )
+        self._traced(self._step_jit, signature, self._carry, x, target, mask)
+        return self._step_jit.lower(self._carry, x, target, mask).compile()
 
     def predict(self, x: Any) -> jax.Array:
-        """Forward only; never donates and leaves the state untouched."""
+        """Forward only; never donates and leaves the state untouched.
+
+        Host ids are checked before the call. Device ids out of range give NaN rows (and
+        NaN for the rest of their sequence, through attention) at no host round trip; with
+        `check_device_ids=True` they are read back and refused before the call (a
+        device-to-host transfer). `program.checked_predict` returns the in-program flags
+        instead, for a caller who reads them when it needs to."""
         _validation.check_array(x, "x")
         _validation.check_non_empty(x, "x")
         self._validate_values(x)
@@ -278,14 +351,34 @@ class FusedPipeline:
         return self._carry.state
 
     @property
+    def counters(self) -> Counters:
+        """The current step counters (live buffers, donated at the next step)."""
+        return self._carry.counters
+
+    @property
     def steps(self) -> int:
         """Steps attempted so far (committed or skipped)."""
         return int(self._carry.counters.steps)
 
     @property
     def skipped_steps(self) -> int:
-        """Steps not committed because they produced a non-finite value."""
+        """Steps not committed, for any reason (see `skip_counts`)."""
         return int(self._carry.counters.skipped)
+
+    @property
+    def skip_counts(self) -> dict[str, int]:
+        """Steps not committed so far, by reason: `{"id out of range": n, "non-finite": n,
+        "update ratio": n, "loss spike": n}`."""
+        counts = np.asarray(self._carry.counters.skips).tolist()
+        return dict(zip(SKIP_REASONS, (int(c) for c in counts), strict=True))
+
+    @property
+    def loss_mean(self) -> float | None:
+        """The running mean of committed losses that `loss_spike` compares with (None
+        before any)."""
+        if int(self._carry.counters.loss_count) == 0:
+            return None
+        return float(self._carry.counters.loss_mean)
 
     @property
     def last_loss(self) -> float | None:
@@ -303,9 +396,17 @@ class FusedPipeline:
         """The tree with the current state written back, holding copies (safe to keep)."""
         return self.program.write_back(copy_tree(self._carry.state))
 
-    def set_state(self, state: PyTree, steps: int = 0, skipped: int = 0) -> None:
+    def set_state(
+        self,
+        state: PyTree,
+        steps: int = 0,
+        skipped: int = 0,
+        *,
+        counters: Counters | None = None,
+    ) -> None:
         """Replace the state (e.g. from a checkpoint); its structure, shapes and dtypes must
-        match the current one exactly."""
+        match the current one exactly. `counters` (a whole `Counters`, skip reasons and
+        running loss included) replaces `steps` and `skipped` when given."""
         current = self._carry.state
         expected = jax.tree_util.tree_structure(current)
         actual = jax.tree_util.tree_structure(state)
@@ -323,9 +424,11 @@ class FusedPipeline:
                     f"{jnp.result_type(old)}{list(jnp.shape(old))}, got "
                     f"{jnp.result_type(new)}{list(jnp.shape(new))}."
                 )
-        counters = Counters(
-            steps=jnp.asarray(steps, jnp.int32), skipped=jnp.asarray(skipped, jnp.int32)
-        )
+        if counters is None:
+            counters = Counters(
+                steps=jnp.asarray(steps, jnp.int32), skipped=jnp.asarray(skipped, jnp.int32)
+            )
+        counters = copy_tree(counters)
         self._carry = self._place_carry(StepCarry(copy_tree(state), counters))
         self._last = None
         self._pending = None
@@ -359,17 +462,40 @@ class FusedPipeline:
 
     def nonfinite_part(self, index: int = -1) -> str | None:
         """The part where the last step's non-finite value first appeared (backward order),
-        or None when the step was finite."""
+        or None when the step was not refused as non-finite. The rule is the commit's own:
+        a NaN, an infinity or a norm that overflows float32 (the report's `finite=False`).
+        Under `"ignore"` it names the part although the step was committed."""
         if self._last is None:
             return None
         chosen = _report.select_step(self._last, index)
-        if bool(np.asarray(chosen.committed)) and self.nonfinite != "ignore":
+        if self.nonfinite == "ignore":
+            bad = not all(bool(np.asarray(m.finite)) for _, m in iter_metrics(chosen.parts))
+            leaves = jax.tree_util.tree_leaves(chosen.state_finite)
+            if not bad and all(bool(np.asarray(ok)) for ok in leaves):
+                return None
+            return _report.first_nonfinite(self._last, index)
+        code = int(np.asarray(chosen.skip_reason))
+        if code != SKIP_REASONS.index("non-finite") + 1:
             return None
         return _report.first_nonfinite(self._last, index)
+
+    def skip_reason(self, index: int = -1) -> _report.SkipReason | None:
+        """Why the last step (the `index`-th inner step of `run`) was not committed: a
+        `SkipReason(reason, part, message)`, or None when it was committed."""
+        if self._last is None:
+            return None
+        return _report.skip_reason(
+            self._last,
+            index,
+            max_update_ratio=self.max_update_ratio,
+            loss_spike=self.loss_spike,
+            stacked=self._last_stacked,
+        )
 
 
 __all__ = [
     "FusedPipeline",
+    "InputRangeError",
     "NonFiniteStepError",
     "StepMetrics",
     "StepOutput",

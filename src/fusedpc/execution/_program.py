@@ -34,19 +34,66 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedpc.core import losses as _losses
-from fusedpc.core._checks import check_part
-from fusedpc.core._metrics import all_finite, leaf_finite
+from fusedpc.core._checks import IdRangeCheck, check_part, id_range_check
+from fusedpc.core._metrics import (
+    AbstractMetrics,
+    Named,
+    PartMetrics,
+    Stacked,
+    all_finite,
+    leaf_finite,
+    tree_norm,
+)
 from fusedpc.core._part import AbstractPart, Core, PyTree
 
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 NORMALISATIONS = ("active", "rows")
+# Why a step was not committed: `StepMetrics.skip_reason` is 0 for a committed step and
+# 1 + the index of the first rule, in this order, that refused it.
+SKIP_REASONS = ("id out of range", "non-finite", "update ratio", "loss spike")
+# The loss guard's running mean: the plain mean of the first LOSS_MEAN_HORIZON committed
+# losses, then an exponential mean with that horizon; it guards from LOSS_SPIKE_WARMUP
+# committed steps on.
+LOSS_MEAN_HORIZON = 100
+LOSS_SPIKE_WARMUP = 10
 
 
 class Counters(eqx.Module):
-    """Step counters carried (and donated) with the state: attempted and skipped steps."""
+    """Step counters carried (and donated) with the state.
+
+    Attributes:
+        steps: steps attempted (int32).
+        skipped: steps not committed, for any reason (int32).
+        skips: steps not committed by reason, `(len(SKIP_REASONS),)` int32, in the order of
+            `fusedpc.execution.SKIP_REASONS`.
+        loss_mean: the running mean of committed steps' losses (float32; 0 before any).
+        loss_count: how many committed losses the mean has seen (int32).
+    """
 
     steps: jax.Array
     skipped: jax.Array
+    skips: jax.Array = None  # type: ignore[assignment]  # filled in by __post_init__
+    loss_mean: jax.Array = None  # type: ignore[assignment]
+    loss_count: jax.Array = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        # Two-argument Counters(steps, skipped) (release 0.2.0) still build: the guard's
+        # fields start empty, and a skipped count without reasons counts as non-finite.
+        if self.skips is None:
+            skips = jnp.zeros((len(SKIP_REASONS),), jnp.int32)
+            self.skips = skips.at[SKIP_REASONS.index("non-finite")].set(
+                jnp.asarray(self.skipped, jnp.int32)
+            )
+        if self.loss_mean is None:
+            self.loss_mean = jnp.zeros((), jnp.float32)
+        if self.loss_count is None:
+            self.loss_count = jnp.zeros((), jnp.int32)
+
+
+def fresh_counters() -> Counters:
+    """Zeroed counters, as `StepProgram.init` makes them."""
+    # Separate buffers: a carry is donated leaf by leaf.
+    return Counters(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
 
 class StepCarry(eqx.Module):
@@ -62,16 +109,28 @@ class StepCarry(eqx.Module):
 
 
 class StepMetrics(eqx.Module):
-    """Everything one step reports: the loss (NaN without one), whether the step was
-    committed, the parts' metrics tree (keyed like the state tree) and `state_finite`, one
-    boolean per leaf of the step's new state (before the guard chose between new and old), so
-    that a non-finite value outside every part's update and input error (an optimiser's
-    moment estimate, say) can still be named."""
+    """Everything one step reports.
+
+    Attributes:
+        loss: the loss (the masked mean with a mask; NaN without a loss).
+        committed: whether the new state was kept.
+        parts: the parts' metrics tree (keyed like the state tree).
+        state_finite: one boolean per leaf of the step's new state (before the guard chose
+            between new and old), so that a non-finite value outside every part's update and
+            input error (an optimiser's moment estimate, say) can still be named.
+        skip_reason: int32, 0 when committed, else 1 + the index in `SKIP_REASONS` of the
+            rule that refused the step.
+        input_checks: the in-program `IdRangeCheck`s of the step's inputs and targets.
+        loss_mean: the running mean loss the loss guard compared this step's loss with.
+    """
 
     loss: jax.Array
     committed: jax.Array
     parts: PyTree
     state_finite: PyTree = None
+    skip_reason: jax.Array = None  # type: ignore[assignment]
+    input_checks: tuple[IdRangeCheck, ...] = ()
+    loss_mean: jax.Array = None  # type: ignore[assignment]
 
 
 class StepOutput(eqx.Module):
@@ -102,19 +161,118 @@ def normalise_active(error: jax.Array) -> jax.Array:
     """Scale $E$ by rows / active rows; a row is active when any entry is non-zero.
 
     $E \\leftarrow E \\cdot R / \\max(A, 1)$, with $R$ rows (all leading axes flattened) and $A$ the
-    rows with a non-zero entry. Rows of zero error are padding: the row means that every part
-    takes then average over the real rows only.
+    rows with a non-zero entry: zero rows are taken for padding. Opt-in only
+    (`error_normalisation="active"`): a real row whose error is exactly zero (a ReLU or binary
+    head that fits it, a saturated sigmoid) is mistaken for padding, and a padding row whose
+    target was set to the prediction keeps a rounding of error inside a fused step. Say
+    padding with a row mask instead (`step(carry, x, target, mask)`).
     """
     rows = error.reshape(-1, error.shape[-1])
     active = jnp.sum(jnp.any(rows != 0, axis=-1).astype(error.dtype))
     return error * (rows.shape[0] / jnp.maximum(active, 1.0))
 
 
+def apply_row_mask(error: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The error of a masked step and the row weights: $E_r \\leftarrow E_r\\, w_r R / \\sum w$.
+
+    Every part takes row means, so the step then follows exactly the gradient of the masked
+    mean loss $\\sum_r w_r \\ell_r / \\sum_r w_r$ over the $R$ rows; a row of weight 0
+    contributes nothing (its error is set to 0, whatever it was). `mask` has the output's
+    shape without its last axis (booleans, or non-negative weights)."""
+    if tuple(jnp.shape(mask)) != tuple(error.shape[:-1]):
+        raise ValueError(
+            f"mask: expected shape {tuple(error.shape[:-1])} (the output's shape without its "
+            f"last axis: one weight per row), got {tuple(jnp.shape(mask))}."
+        )
+    if not (
+        jnp.issubdtype(jnp.result_type(mask), jnp.number)
+        or jnp.issubdtype(jnp.result_type(mask), jnp.bool_)
+    ):
+        raise TypeError(f"mask: expected booleans or numbers, got dtype {jnp.result_type(mask)}.")
+    weights = jnp.asarray(mask).astype(error.dtype)
+    rows = weights.size
+    scale = weights * (rows / jnp.sum(weights))
+    return jnp.where((weights > 0)[..., None], error * scale[..., None], 0.0), weights
+
+
+def pad_rows(
+    rows: int, *arrays: Any, axis: int = 0
+) -> tuple[Any, ...]:
+    """Pad a short batch to `rows` rows and say which rows are real.
+
+    `pad_rows(64, x, target)` returns `(x, target, mask)`: each array extended along `axis`
+    with zeros to `rows` entries, and a boolean `mask` of shape `(rows,)` (True for the real
+    rows) to pass as `step(x, target, mask=mask)`. For a GPT batch `(B, T)` the mask is
+    `(B, T)`-shaped: broadcast it with `np.broadcast_to(mask[:, None], (rows, T))`.
+    Host (numpy) arrays in, numpy arrays out: a last partial batch keeps the step's shapes,
+    so it compiles nothing new.
+    """
+    if not arrays:
+        raise ValueError("pad_rows: pass at least one array to pad.")
+    length = int(np.shape(arrays[0])[axis])
+    if isinstance(rows, bool) or not isinstance(rows, int | np.integer) or rows < length:
+        raise ValueError(
+            f"rows: expected an integer >= the batch's {length} rows (axis {axis}), got {rows!r}."
+        )
+    padded = []
+    for i, array in enumerate(arrays):
+        host = np.asarray(array)
+        if host.shape[axis] != length:
+            raise ValueError(
+                f"arrays[{i}]: expected {length} rows on axis {axis} (as arrays[0]), got shape "
+                f"{host.shape}."
+            )
+        widths = [(0, 0)] * host.ndim
+        widths[axis] = (0, rows - length)
+        padded.append(np.pad(host, widths))
+    mask = np.arange(rows) < length
+    return (*padded, mask)
+
+
+def _leaf_metrics(parts: PyTree) -> list[AbstractMetrics]:
+    """Every leaf metrics node, stacked blocks kept stacked (no per-block slicing)."""
+
+    def is_node(node: Any) -> bool:
+        return isinstance(node, AbstractMetrics) and not isinstance(node, Named | Stacked)
+
+    return [n for n in jax.tree_util.tree_leaves(parts, is_leaf=is_node) if is_node(n)]
+
+
+def max_update_ratio(parts: PyTree) -> jax.Array:
+    """The largest update / weight norm ratio over every learning part (the report's
+    `update_ratio`); 0 without learning parts. A part with zero weights counts as infinite
+    when it moved and as 0 when it did not."""
+    ratios = []
+    for m in _leaf_metrics(parts):
+        if isinstance(m, PartMetrics):
+            update, weight = m.update_norm, m.weight_norm
+            safe = jnp.where(weight > 0, weight, 1.0)
+            ratio = jnp.where(weight > 0, update / safe, jnp.where(update > 0, jnp.inf, 0.0))
+            ratios.append(jnp.max(ratio))
+    if not ratios:
+        return jnp.zeros((), jnp.float32)
+    return jnp.max(jnp.stack(ratios))
+
+
+def parts_finite(parts: PyTree) -> jax.Array:
+    """Every part's own `finite` flag (read off its norms: a norm that overflows counts)."""
+    flags = [jnp.all(jnp.asarray(m.finite)) for m in _leaf_metrics(parts)]
+    if not flags:
+        return jnp.array(True)
+    return jnp.stack(flags).all()
+
+
 def scan_steps(
-    step: Callable, carry: Any, xs: Any, targets: Any, keep_outputs: bool = True
+    step: Callable,
+    carry: Any,
+    xs: Any,
+    targets: Any,
+    keep_outputs: bool = True,
+    masks: Any = None,
 ) -> tuple[Any, StepOutput]:
-    """K applications of `step(carry, x, target) -> (carry, StepOutput)` in one `lax.scan`
-    over the leading axis of `xs` and `targets`; outputs and metrics stacked over K."""
+    """K applications of `step(carry, x, target[, mask]) -> (carry, StepOutput)` in one
+    `lax.scan` over the leading axis of `xs`, `targets` (and `masks`); outputs and metrics
+    stacked over K."""
 
     def body(c, batch):
         c, out = step(c, *batch)
@@ -122,7 +280,8 @@ def scan_steps(
             out = StepOutput(None, None, out.metrics)
         return c, out
 
-    return jax.lax.scan(body, carry, (xs, targets))
+    batches = (xs, targets) if masks is None else (xs, targets, masks)
+    return jax.lax.scan(body, carry, batches)
 
 
 class StepProgram:
@@ -136,9 +295,11 @@ class StepProgram:
         tree: the root part the program was compiled from.
         core: the tree's `Core` (`tree.compile("")`).
         error_fn: the resolved `fusedpc.losses.ErrorFunction`.
-        error_normalisation: `"active"` or `"rows"`.
+        error_normalisation: `"rows"` or `"active"`.
         nonfinite: `"skip"`, `"raise"` or `"ignore"` (inside the program `"raise"` acts as
             `"skip"`; raising is the host wrapper's business).
+        max_update_ratio: the spike guard's bound on any part's update / weight norm, or None.
+        loss_spike: the loss guard's factor over the running mean loss, or None.
     """
 
     def __init__(
@@ -148,91 +309,198 @@ class StepProgram:
         error_fn: _losses.ErrorFunction,
         error_normalisation: str,
         nonfinite: str,
+        max_update_ratio: float | None = None,
+        loss_spike: float | None = None,
     ):
         self.tree = tree
         self.core = core
         self.error_fn = error_fn
         self.error_normalisation = error_normalisation
         self.nonfinite = nonfinite
+        self.max_update_ratio = max_update_ratio
+        self.loss_spike = loss_spike
 
     def __repr__(self) -> str:
+        guards = "".join(
+            f", {name}={value!r}"
+            for name, value in (
+                ("max_update_ratio", self.max_update_ratio),
+                ("loss_spike", self.loss_spike),
+            )
+            if value is not None
+        )
         return (
             f"StepProgram(tree={type(self.tree).__name__}, error_fn={self.error_fn.name!r}, "
-            f"error_normalisation={self.error_normalisation!r}, nonfinite={self.nonfinite!r})"
+            f"error_normalisation={self.error_normalisation!r}, nonfinite={self.nonfinite!r}"
+            f"{guards})"
         )
 
     def init(self, key: jax.Array) -> StepCarry:
         """The initial carry: the tree's state from `key` (copied, so that donating it never
         reaches the arrays held by the part objects) and zeroed counters."""
-        return StepCarry(
-            state=copy_tree(self.tree.init_state(key)),
-            counters=Counters(
-                steps=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32)
-            ),
-        )
+        return StepCarry(state=copy_tree(self.tree.init_state(key)), counters=fresh_counters())
 
-    def step(self, carry: StepCarry, x: Any, target: Any) -> tuple[StepCarry, StepOutput]:
+    def input_checks(self, x: Any, target: Any, width: int) -> tuple[IdRangeCheck, ...]:
+        """The in-program checks of a batch: the tree's own (token ids, ...) and, for a
+        class-id error function with integer targets, the targets against `[0, width)`."""
+        checks = tuple(self.tree.input_checks(x, ""))
+        if self.error_fn.class_ids and jnp.issubdtype(jnp.result_type(target), jnp.integer):
+            checks += (id_range_check(target, width, "", "class ids", "target"),)
+        return checks
+
+    def _loss(self, y: Any, target: Any, weights: jax.Array | None) -> jax.Array:
+        fn = self.error_fn
+        if weights is not None:
+            if fn.row_loss is None:
+                return jnp.full((), jnp.nan, jnp.float32)
+            rows = fn.row_loss(y, target).astype(jnp.float32)
+            w = weights.astype(jnp.float32)
+            return jnp.sum(w * rows) / jnp.sum(w)
+        if fn.loss is None:
+            return jnp.full((), jnp.nan, jnp.float32)
+        return fn.loss(y, target).astype(jnp.float32)
+
+    def step(
+        self, carry: StepCarry, x: Any, target: Any, mask: Any = None
+    ) -> tuple[StepCarry, StepOutput]:
         """One training step: returns the new carry and the step's `StepOutput`.
 
         Args:
             carry: the current `StepCarry`.
             x: a batch `(rows..., features)` (or token ids `(batch, seq)` for a GPT).
             target: what `error_fn(output, target)` compares the output with.
+            mask: optional row weights `(rows...)` (the output's shape without its last
+                axis; booleans or non-negative numbers): padding rows get 0 and contribute
+                nothing, and every mean (the parts' updates, the loss) runs over the real
+                rows, exactly as a masked mean loss under backprop. Rows must still be
+                finite (zeros are fine). `None` weighs every row alike.
+
+        The step is committed unless, in this order: an input id lies outside its range
+        (`"id out of range"`); anything is not representable (`"non-finite"`: a NaN or an
+        infinity in the new state, the output, the input error or the loss, or a part's
+        update, weight or error norm that overflows float32); a part's update / weight ratio
+        exceeds `max_update_ratio` (`"update ratio"`); the loss exceeds `loss_spike` times
+        the running mean of committed losses (`"loss spike"`). A refused step keeps the old
+        state bit for bit and counts in `counters.skipped` and `counters.skips`.
         """
         state, counters = carry.state, carry.counters
         y, cache = self.core.forward(state, x)
+        checks = self.input_checks(x, target, int(jnp.shape(y)[-1]))
         error = self.error_fn.error(y, target)
-        if self.error_normalisation == "active":
+        weights = None
+        if mask is not None:
+            error, weights = apply_row_mask(error, mask)
+        elif self.error_normalisation == "active":
             error = normalise_active(error)
         input_error, new_state, part_metrics = self.core.backward(state, cache, error)
-        if self.error_fn.loss is None:
-            loss = jnp.full((), jnp.nan, jnp.float32)
-        else:
-            loss = self.error_fn.loss(y, target).astype(jnp.float32)
-        # One flag per state leaf (kept in the metrics to name a bad leaf), then one for all.
+        loss = self._loss(y, target, weights)
+
+        ids_ok = jnp.stack([c.ok for c in checks]).all() if checks else jnp.array(True)
+        # One flag per state leaf (kept in the metrics to name a bad leaf), then one rule for
+        # all: the same flags name the part in reports.
         state_finite = jax.tree_util.tree_map(leaf_finite, new_state)
-        finite = jnp.stack(
-            [*jax.tree_util.tree_leaves(state_finite), all_finite((y, input_error))]
-        ).all()
+        finite_flags = [
+            *jax.tree_util.tree_leaves(state_finite),
+            all_finite((y, input_error)),
+            parts_finite(part_metrics),
+            jnp.isfinite(tree_norm(error)),
+        ]
+        known = self.error_fn.loss if weights is None else self.error_fn.row_loss
+        if known is not None:  # a placeholder NaN (no loss) is not a failure
+            finite_flags.append(jnp.isfinite(loss))
+        finite = jnp.stack(finite_flags).all()
         if self.nonfinite == "ignore":
-            committed = jnp.array(True)
-        else:
-            committed = finite
-            new_state = jax.tree_util.tree_map(
-                lambda n, o: jnp.where(committed, n, o), new_state, state
-            )
-        counters = Counters(
-            steps=counters.steps + 1,
-            skipped=counters.skipped + (~committed).astype(jnp.int32),
+            finite = jnp.array(True)
+        ratio_ok = jnp.array(True)
+        if self.max_update_ratio is not None:
+            ratio_ok = max_update_ratio(part_metrics) <= self.max_update_ratio
+        spike_ok = jnp.array(True)
+        if self.loss_spike is not None:
+            guarding = counters.loss_count >= LOSS_SPIKE_WARMUP
+            spike_ok = ~(guarding & (loss > self.loss_spike * counters.loss_mean))
+        code = jnp.int32(0)
+        for number, ok in reversed(list(enumerate((ids_ok, finite, ratio_ok, spike_ok), 1))):
+            code = jnp.where(ok, code, jnp.int32(number))
+        committed = code == 0
+        new_state = jax.tree_util.tree_map(
+            lambda n, o: jnp.where(committed, n, o), new_state, state
         )
+        counters = self._count(counters, code, loss)
         metrics = StepMetrics(
-            loss=loss, committed=committed, parts=part_metrics, state_finite=state_finite
+            loss=loss,
+            committed=committed,
+            parts=part_metrics,
+            state_finite=state_finite,
+            skip_reason=code,
+            input_checks=checks,
+            loss_mean=carry.counters.loss_mean,
         )
         return StepCarry(new_state, counters), StepOutput(y, input_error, metrics)
 
+    @staticmethod
+    def _count(counters: Counters, code: jax.Array, loss: jax.Array) -> Counters:
+        committed = code == 0
+        reasons = jnp.arange(1, len(SKIP_REASONS) + 1, dtype=jnp.int32)
+        seen = committed & jnp.isfinite(loss)
+        count = counters.loss_count + seen.astype(jnp.int32)
+        rate = 1.0 / jnp.minimum(count, LOSS_MEAN_HORIZON).astype(jnp.float32)
+        mean = jnp.where(counters.loss_count == 0, loss, counters.loss_mean)
+        mean = jnp.where(seen, mean + (loss - mean) * rate, counters.loss_mean)
+        return Counters(
+            steps=counters.steps + 1,
+            skipped=counters.skipped + (~committed).astype(jnp.int32),
+            skips=counters.skips + (reasons == code).astype(jnp.int32),
+            loss_mean=mean,
+            loss_count=count,
+        )
+
     def run(
-        self, carry: StepCarry, xs: Any, targets: Any, keep_outputs: bool = True
+        self,
+        carry: StepCarry,
+        xs: Any,
+        targets: Any,
+        keep_outputs: bool = True,
+        masks: Any = None,
     ) -> tuple[StepCarry, StepOutput]:
-        """K steps in one `lax.scan` over the leading axis of `xs` and `targets`; equal to K
-        calls of `step`. With `keep_outputs=False` the outputs and input errors are dropped
-        (`None`) and only the stacked metrics are kept."""
-        return scan_steps(self.step, carry, xs, targets, keep_outputs)
+        """K steps in one `lax.scan` over the leading axis of `xs`, `targets` (and `masks`,
+        `(K, rows...)`); equal to K calls of `step`. With `keep_outputs=False` the outputs
+        and input errors are dropped (`None`) and only the stacked metrics are kept."""
+        return scan_steps(self.step, carry, xs, targets, keep_outputs, masks)
 
     def predict(self, state: PyTree, x: Any) -> Any:
-        """The forward walk only: the tree's output for `x` under `state`."""
+        """The forward walk only: the tree's output for `x` under `state`. Out-of-range token
+        ids give NaN rows (see `checked_predict` for the flag)."""
         return self.core.forward(state, x)[0]
+
+    def checked_predict(self, state: PyTree, x: Any) -> tuple[Any, tuple[IdRangeCheck, ...]]:
+        """`predict` with the in-program checks of `x` (token ids in range, ...): read
+        `all(c.ok for c in checks)` when you need to know, which costs one scalar read."""
+        return self.core.forward(state, x)[0], tuple(self.tree.input_checks(x, ""))
 
     def write_back(self, state: PyTree) -> AbstractPart:
         """The tree holding `state` (pass a copy if the state's buffers will be donated)."""
         return self.core.write_back(state)
 
 
+def _check_bound(name: str, value: Any, low: float) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
+        raise TypeError(f"{name}: expected None or a number, got {type(value).__name__}.")
+    value = float(value)
+    if not (np.isfinite(value) and value > low):
+        raise ValueError(f"{name}: expected None or a finite number > {low:g}, got {value!r}.")
+    return value
+
+
 def make_step(
     tree: AbstractPart,
     error_fn: _losses.ErrorFunction | str | Callable | None = None,
-    error_normalisation: str = "active",
+    error_normalisation: str = "rows",
     *,
     nonfinite: str = "skip",
+    max_update_ratio: float | None = None,
+    loss_spike: float | None = None,
 ) -> StepProgram:
     """Compile a part tree into its pure training step.
 
@@ -241,15 +509,21 @@ def make_step(
         error_fn: the descent error at the output: `None` (squared error, $y - t$), a name from
             `fusedpc.losses` (`"softmax_cross_entropy"`, `"cross_entropy"`, ...), an
             `ErrorFunction`, or a callable `error_fn(output, target) -> error`.
-        error_normalisation: `"active"` rescales the error by rows / rows with a non-zero error
-            (zero rows are padding); `"rows"` leaves it.
-        nonfinite: `"skip"` (or `"raise"`) keeps the old state when the new state, the output
-            or the input error holds NaN/inf and counts the step as skipped; `"ignore"`
-            commits it anyway.
+        error_normalisation: `"rows"` (the default) leaves the error as `error_fn` formed
+            it; say padding with the step's `mask`. `"active"` (opt-in) rescales it by rows
+            / rows with a non-zero error, taking exact-zero rows for padding, which is wrong
+            for rows that a head fits exactly (see `normalise_active`).
+        nonfinite: `"skip"` (or `"raise"`) keeps the old state when anything of the step is
+            not representable (NaN, infinity, a norm overflowing float32) and counts the step
+            as skipped; `"ignore"` commits it anyway.
+        max_update_ratio: refuse a step in which any learning part's update / weight norm
+            ratio (the report's `update_ratio`) exceeds this bound (`None`: no bound).
+        loss_spike: refuse a step whose loss exceeds this factor times the running mean of
+            committed losses (`None`: no guard); it guards from the 10th committed step on.
 
     Returns:
-        A `StepProgram` with pure `init(key)`, `step(carry, x, target)`,
-        `run(carry, xs, targets, keep_outputs)` and `predict(state, x)`.
+        A `StepProgram` with pure `init(key)`, `step(carry, x, target, mask)`,
+        `run(carry, xs, targets, keep_outputs, masks)` and `predict(state, x)`.
     """
     check_part(tree, "make_step(tree)")
     if error_normalisation not in NORMALISATIONS:
@@ -259,19 +533,39 @@ def make_step(
         )
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite: expected one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
+    resolved = _losses.resolve(error_fn)
+    loss_spike = _check_bound("loss_spike", loss_spike, 1.0)
+    if loss_spike is not None and resolved.loss is None:
+        raise ValueError(
+            f"loss_spike: needs a loss, and error_fn {resolved.name!r} has none; pass an "
+            "ErrorFunction with a loss or leave loss_spike=None."
+        )
     return StepProgram(
-        tree, tree.compile(""), _losses.resolve(error_fn), error_normalisation, nonfinite
+        tree,
+        tree.compile(""),
+        resolved,
+        error_normalisation,
+        nonfinite,
+        _check_bound("max_update_ratio", max_update_ratio, 0.0),
+        loss_spike,
     )
 
 
 __all__ = [
+    "LOSS_MEAN_HORIZON",
+    "LOSS_SPIKE_WARMUP",
+    "SKIP_REASONS",
     "Counters",
     "StepCarry",
     "StepMetrics",
     "StepOutput",
     "StepProgram",
     "copy_tree",
+    "apply_row_mask",
+    "fresh_counters",
     "make_step",
+    "max_update_ratio",
     "normalise_active",
+    "parts_finite",
     "scan_steps",
 ]

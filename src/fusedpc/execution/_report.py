@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import numpy as np
 
-from fusedpc.core._metrics import iter_metrics
+from fusedpc.core._metrics import iter_metrics, report_rows
 from fusedpc.core._part import display_path
-from fusedpc.execution._program import StepMetrics
+from fusedpc.execution._program import SKIP_REASONS, StepMetrics
 
 
 def select_step(metrics: StepMetrics, index: int) -> StepMetrics:
@@ -52,3 +54,75 @@ def first_nonfinite(metrics: StepMetrics, index: int = -1) -> str | None:
     if not bool(np.asarray(chosen.committed)):
         return display_path("")
     return None
+
+
+class SkipReason(NamedTuple):
+    """Why a step was not committed.
+
+    Attributes:
+        reason: `"token id out of range"` / `"class id out of range"`, `"non-finite"`,
+            `"update ratio"` or `"loss spike"`.
+        part: the part it names (`"<root>"` for the tree's output or loss, None for a loss
+            spike, which belongs to no part).
+        message: one line for logs and errors: what was seen against what was allowed.
+    """
+
+    reason: str
+    part: str | None
+    message: str
+
+
+def skip_reason(
+    metrics: StepMetrics,
+    index: int = -1,
+    *,
+    max_update_ratio: float | None = None,
+    loss_spike: float | None = None,
+    stacked: bool = False,
+) -> SkipReason | None:
+    """Why the `index`-th inner step was not committed, or None when it was.
+
+    `max_update_ratio` and `loss_spike` are the guards' settings (for the message);
+    `stacked` says that the arguments were `run`'s `xs`/`targets`."""
+    chosen = jax.device_get(select_step(metrics, index))
+    code = int(np.asarray(chosen.skip_reason)) if chosen.skip_reason is not None else 0
+    if code == 0:
+        if bool(np.asarray(chosen.committed)):
+            return None
+        code = SKIP_REASONS.index("non-finite") + 1  # metrics without a reason code
+    reason = SKIP_REASONS[code - 1]
+    if reason == "id out of range":
+        for check in chosen.input_checks:
+            if not bool(np.asarray(check.ok)):
+                argument = check.argument + ("s" if stacked else "")
+                kind = check.what.removesuffix("s").replace(" ids", " id")
+                return SkipReason(
+                    f"{kind} out of range", display_path(check.path), check.message(argument)
+                )
+        return SkipReason("id out of range", None, "an input id was out of range.")
+    if reason == "non-finite":
+        part = first_nonfinite(metrics, index)
+        return SkipReason(
+            reason, part, f"a value that float32 cannot represent appeared first in {part!r}."
+        )
+    if reason == "update ratio":
+        rows = [r for r in report_rows(chosen.parts) if "update_ratio" in r]
+        worst = max(rows, key=lambda r: _ratio_key(r["update_ratio"]), default=None)
+        part = None if worst is None else worst["part"]
+        ratio = float("nan") if worst is None else worst["update_ratio"]
+        return SkipReason(
+            reason,
+            part,
+            f"part {part!r} had update / weight norm {ratio:.3g}, above max_update_ratio "
+            f"{max_update_ratio}.",
+        )
+    loss, mean = float(np.asarray(chosen.loss)), float(np.asarray(chosen.loss_mean))
+    return SkipReason(
+        reason,
+        None,
+        f"loss {loss:.4g} exceeded loss_spike {loss_spike} times the running mean {mean:.4g}.",
+    )
+
+
+def _ratio_key(ratio: float) -> float:
+    return float("inf") if np.isnan(ratio) else ratio

@@ -54,6 +54,9 @@ class JitLeaf(AbstractPart):
     def validate_input(self, x: Any, path: str) -> None:
         self.inner.validate_input(x, path)
 
+    def input_checks(self, x: Any, path: str) -> tuple[Any, ...]:
+        return self.inner.input_checks(x, path)
+
     def compile(self, path: str) -> Core:
         core = self.inner.compile(path)
         forward = jax.jit(core.forward)
@@ -101,7 +104,7 @@ class UnfusedPipeline:
         self,
         tree: AbstractPart,
         error_fn: _errors.ErrorFunction | str | Callable | None = None,
-        error_normalisation: str = "active",
+        error_normalisation: str = "rows",
         *,
         key: jax.Array | None = None,
         mesh: jax.sharding.Mesh | None = None,

@@ -54,13 +54,34 @@ def check_batch_rank(x: Any, name: str, batched: bool) -> None:
         )
 
 
-def check_same_steps(xs: Any, targets: Any) -> None:
-    """`run`'s inputs and targets have the same number of steps on axis 0."""
-    if jnp.shape(xs)[0] != jnp.shape(targets)[0]:
+def check_same_steps(xs: Any, targets: Any, name: str = "targets") -> None:
+    """`run`'s inputs and targets (or masks) have the same number of steps on axis 0."""
+    if np.ndim(targets) == 0 or jnp.shape(xs)[0] != jnp.shape(targets)[0]:
+        steps = jnp.shape(targets)[0] if np.ndim(targets) else "none (rank 0)"
         raise ValueError(
-            f"run: xs and targets must have the same number of steps on axis 0, "
-            f"got {jnp.shape(xs)[0]} and {jnp.shape(targets)[0]}."
+            f"run: xs and {name} must have the same number of steps on axis 0, "
+            f"got {jnp.shape(xs)[0]} and {steps}."
         )
+
+
+def check_mask(mask: Any, name: str) -> None:
+    """A row mask is an array of booleans or numbers; host values are finite and >= 0."""
+    check_array(mask, name)
+    if isinstance(mask, jax.Array) or np.asarray(mask).size == 0:
+        return  # shapes are checked at trace time; device values are not read back
+    host = np.asarray(mask, dtype=np.float64)
+    if not np.all(np.isfinite(host)) or np.any(host < 0):
+        bad = host[~(np.isfinite(host) & (host >= 0))].reshape(-1)[0]
+        raise ValueError(
+            f"{name}: row weights must be finite and >= 0 (0 for padding rows), got {bad!r}."
+        )
+
+
+def mask_signature(mask: Any) -> tuple | None:
+    """The part of a program's signature that a mask adds (None without one)."""
+    if mask is None:
+        return None
+    return (tuple(jnp.shape(mask)), str(jnp.result_type(mask)))
 
 
 def signature(x: Any, target: Any, batched: bool) -> tuple:

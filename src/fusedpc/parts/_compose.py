@@ -53,6 +53,9 @@ class Sequential(AbstractPart):
         """The chain's input is its first part's input."""
         self.parts[0].validate_input(x, join_path(path, "parts[0]"))
 
+    def input_checks(self, x: Any, path: str) -> tuple[Any, ...]:
+        return self.parts[0].input_checks(x, join_path(path, "parts[0]"))
+
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         return tuple((f"parts[{i}]", part) for i, part in enumerate(self.parts))
 
@@ -124,6 +127,9 @@ class Residual(AbstractPart):
 
     def validate_input(self, x: Any, path: str) -> None:
         self.branch.validate_input(x, join_path(path, "branch"))
+
+    def input_checks(self, x: Any, path: str) -> tuple[Any, ...]:
+        return self.branch.input_checks(x, join_path(path, "branch"))
 
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         return (("branch", self.branch),)

@@ -194,6 +194,9 @@ class Repeat(AbstractPart):
     def validate_input(self, x: Any, path: str) -> None:
         self.blocks[0].validate_input(x, join_path(path, "[0]"))
 
+    def input_checks(self, x: Any, path: str) -> tuple[Any, ...]:
+        return self.blocks[0].input_checks(x, join_path(path, "[0]"))
+
     def compile(self, path: str) -> Core:
         n = len(self.blocks)
         if self.unroll:

@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from fusedpc.core._checks import lookup_rows
 from fusedpc.core._part import LayerNormParams, LinearParams, TableParams
 from fusedpc.parts._activations import get_activation
 from fusedpc.parts._frozen import Frozen
@@ -211,7 +212,7 @@ def layer_norm(
 def _embedding_forward(params: TableParams, ids):
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"expected integer ids, got dtype {ids.dtype}")
-    return jnp.take(params.table, ids, axis=0), None
+    return lookup_rows(params.table, ids), None
 
 
 def _embedding_backward(params, cache, error):

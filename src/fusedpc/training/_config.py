@@ -82,6 +82,11 @@ class TrainConfig:
         eval_batches: [training] batches per validation.
         report_every: [training] steps between logged report rows.
         save_every: [training] steps between checkpoints; 0: only at the end.
+        max_update_ratio: [training] the spike guard: a step in which any part's update /
+            weight norm ratio exceeds this is not committed (`FusedPipeline`'s
+            `max_update_ratio`); 0: no bound.
+        loss_spike: [training] a step whose loss exceeds this factor (> 1) times the running
+            mean loss is not committed (`FusedPipeline`'s `loss_spike`); 0: no guard.
         sample_tokens: [training] the length of the final sample.
         temperature: [training] the temperature of the final sample.
         devices: [runtime] data-parallel devices (on CPU they are emulated).
@@ -113,6 +118,8 @@ class TrainConfig:
     eval_batches: int = 8
     report_every: int = 10
     save_every: int = 0
+    max_update_ratio: float = 0.0
+    loss_spike: float = 0.0
     sample_tokens: int = 200
     temperature: float = 0.8
     # [runtime]
@@ -167,6 +174,15 @@ class TrainConfig:
             raise ValueError(
                 f"validation_fraction must lie strictly between 0 and 1, got "
                 f"{self.validation_fraction!r}."
+            )
+        if not (self.max_update_ratio >= 0 and math.isfinite(self.max_update_ratio)):
+            raise ValueError(
+                f"max_update_ratio must be a finite number >= 0 (0: no bound), got "
+                f"{self.max_update_ratio!r}."
+            )
+        if not (self.loss_spike == 0 or self.loss_spike > 1 and math.isfinite(self.loss_spike)):
+            raise ValueError(
+                f"loss_spike must be 0 (no guard) or a finite factor > 1, got {self.loss_spike!r}."
             )
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
@@ -267,7 +283,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "optimiser": ("optimiser", "lr", "weight_decay", "slot_lr_scales"),
     "training": (
         "steps", "batch", "steps_per_call", "seed", "eval_every", "eval_batches",
-        "report_every", "save_every", "sample_tokens", "temperature",
+        "report_every", "save_every", "max_update_ratio", "loss_spike", "sample_tokens",
+        "temperature",
     ),
     "runtime": ("devices", "distributed"),
 }

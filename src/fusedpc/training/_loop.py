@@ -10,7 +10,8 @@ into its folder:
 
 * `config.toml`: the resolved `TrainConfig` (`config_to_toml`), written first;
 * `log.jsonl`: one JSON object a line: `{"kind": "train", "step", "loss", "time",
-  "tokens_per_s", "committed"}` for every step, `{"kind": "eval", "step", "val_loss",
+  "tokens_per_s", "committed"}` for every step, `{"kind": "skip", "step", "reason", "part",
+  "message"}` for every step not committed (also printed), `{"kind": "eval", "step", "val_loss",
   "val_perplexity"}` at every evaluation, `{"kind": "report", "step", **row}` for every row of
   `pipeline.report()` every `report_every` steps, and a `{"kind": "summary", ...}` at the end;
 * `checkpoint.fpc`: `pipeline.save(path, metadata)` with the config, the tokeniser, the data
@@ -89,6 +90,7 @@ class TrainResult:
     pipeline: Any
     tokenizer: Any
     files: list[Path]
+    skips: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """`(label, value)` rows of the end-of-run table."""
@@ -101,9 +103,15 @@ class TrainResult:
              f"{self.tokens_per_s:,.0f}" if math.isfinite(self.tokens_per_s) else "-"),
             ("time (all sessions)", format_duration(self.elapsed_s)),
             ("first call (compiling)", f"{self.compile_s:.1f} s"),
-            ("skipped steps (non-finite)", f"{self.skipped_steps}"),
+            ("skipped steps", _format_skips(self.skipped_steps, self.skips)),
             ("output folder", str(self.out)),
         ]
+
+
+def _format_skips(total: int, skips: dict[str, int]) -> str:
+    """`0`, or `3 (non-finite 1, update ratio 2)`."""
+    parts = [f"{reason} {count}" for reason, count in skips.items() if count]
+    return f"{total}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def format_summary(result: TrainResult) -> str:
@@ -258,6 +266,12 @@ class _Session:
                            "time": now - dt * (k - 1 - i) / k,
                            "tokens_per_s": k * self.tokens_per_step / dt,
                            "committed": bool(committed[i])})
+            if not committed[i]:
+                skip = self.pipeline.skip_reason(index=i)
+                if skip is not None:
+                    self.log.emit({"kind": "skip", "step": step, "reason": skip.reason,
+                                   "part": skip.part, "message": skip.message})
+                    self.say(f"step {step} not committed ({skip.reason}): {skip.message}")
             if step % config.report_every == 0:
                 for row in self.pipeline.report(index=i):
                     self.log.emit({"kind": "report", "step": step, **row})
@@ -300,6 +314,7 @@ class _Session:
             elapsed_s=self.elapsed(),
             compile_s=self.compile_s,
             skipped_steps=self.pipeline.skipped_steps,
+            skips=self.pipeline.skip_counts,
             interrupted=interrupted,
             sample=sample,
             pipeline=self.pipeline,
@@ -310,6 +325,7 @@ class _Session:
                        "val_loss": result.val_loss, "val_perplexity": result.val_perplexity,
                        "tokens_per_s": result.tokens_per_s, "elapsed_s": result.elapsed_s,
                        "compile_s": result.compile_s, "skipped_steps": result.skipped_steps,
+                       "skips": result.skips,
                        "interrupted": interrupted})
         self.log.close()
         if self.leader:

@@ -112,7 +112,14 @@ def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
     part, _ = build_gpt(
         gpt, config_optimiser(config), jax.random.key(config.seed), slot_optimisers=slot_optimisers
     )
-    return FusedPipeline(part, gpt.error_fn, key=jax.random.key(config.seed), mesh=mesh)
+    return FusedPipeline(
+        part,
+        gpt.error_fn,
+        key=jax.random.key(config.seed),
+        mesh=mesh,
+        max_update_ratio=config.max_update_ratio or None,
+        loss_spike=config.loss_spike or None,
+    )
 
 
 def load_run(

@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from fusedpc.core._checks import check_ids, check_part
+from fusedpc.core._checks import check_ids, check_part, id_range_check
 from fusedpc.core._metrics import Named, named
 from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
 from fusedpc.parts._compose import SequentialCache
@@ -139,6 +139,9 @@ class Blocks(AbstractPart):
     def validate_input(self, x: Any, path: str) -> None:
         self.blocks[0].validate_input(x, join_path(path, "[0]"))
 
+    def input_checks(self, x: Any, path: str) -> tuple[Any, ...]:
+        return self.blocks[0].input_checks(x, join_path(path, "[0]"))
+
     def init_state(self, key: jax.Array) -> tuple[PyTree, ...]:
         keys = jax.random.split(key, len(self.blocks))
         return tuple(b.init_state(k) for b, k in zip(self.blocks, keys))
@@ -247,6 +250,12 @@ class GPTPart(AbstractPart):
         if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
             return  # not ids at all: the trace says what is wrong
         check_ids(x, self.vocab_size, path)
+
+    def input_checks(self, x: Any, path: str) -> tuple[Any, ...]:
+        """Inside the step: the ids lie in the vocabulary (named after the token slot)."""
+        if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            return ()  # not ids at all: the forward's trace-time check says what is wrong
+        return (id_range_check(x, self.vocab_size, join_path(path, "token")),)
 
     def init_state(self, key: jax.Array) -> GPTState:
         keys = jax.random.split(key, 5)

@@ -538,7 +538,7 @@ def test_padding_rows_of_zero_error_change_nothing():
     x_all = jnp.concatenate([x, normal(122, (3, 3))])
     results = []
     for xs, padded in ((x, False), (x_all, True)):
-        pipeline = FusedPipeline(LearningNetwork(network, capture_gradients()))
+        pipeline = FusedPipeline(LearningNetwork(network, capture_gradients()), None, "active")
         if padded:
             # The step's own forward on the same 8 rows, so that their error is exactly 0.
             ys = jnp.concatenate([y, pipeline.predict(xs)[5:]])

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fusedpc.core._checks import check_ids, expect_last_axis
+from fusedpc.core._checks import check_ids, expect_last_axis, id_range_check, lookup_rows
 from fusedpc.core._metrics import learning_metrics
 from fusedpc.core._part import (
     AbstractPart,
@@ -107,6 +107,11 @@ class LearningEmbedding(AbstractPart):
     def validate_input(self, x: Any, path: str) -> None:
         check_ids(x, self.vocab_size, path)
 
+    def input_checks(self, x: Any, path: str) -> tuple[Any, ...]:
+        if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            return ()  # the forward's trace-time check names the dtype
+        return (id_range_check(x, self.vocab_size, path),)
+
     def export_arrays(self, path: str = "") -> tuple[TableParams]:
         """`(TableParams(table),)`, the `(V, D)` table."""
         del path
@@ -133,7 +138,7 @@ class LearningEmbedding(AbstractPart):
                     f"{display_path(path)}: expected integer token ids, got dtype {ids.dtype} "
                     f"(shape {tuple(ids.shape)}); convert with .astype(jnp.int32)."
                 )
-            return jnp.take(state.table, ids, axis=0), ids
+            return lookup_rows(state.table, ids), ids
 
         def backward(state: EmbeddingState, ids, error):
             expect_last_axis(path, error, width, what="error")
