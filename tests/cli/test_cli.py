@@ -12,8 +12,10 @@ import dataclasses
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -21,6 +23,8 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
+import fusedpc
+import fusedpc.training
 from fusedpc.cli import _flags, main
 from fusedpc.training import _config, _config_file, _loop, _runtime, _setup
 
@@ -101,8 +105,13 @@ def test_train_plots_are_real_pngs(tiny_run):
 
 def test_train_prints_a_sample_and_a_summary(tiny_run):
     out = (tiny_run / "stdout.txt").read_text()
-    sample = out.split("sample:\n", 1)[1].split("\n---", 1)[0]
+    sample = out.split("sample (the prompt in []):\n", 1)[1].split("\n---", 1)[0]
     assert len(sample.strip()) > 20  # 40 new characters after a short prompt
+    assert sample.startswith("[") and "]" in sample  # the prompt, marked
+    prompt, continuation = sample[1:].split("]", 1)
+    assert (tiny_run / "sample.txt").read_text() + "\n" == prompt + continuation  # + print's
+    saved = json.loads((tiny_run / "summary.json").read_text())
+    assert saved == _records(tiny_run, "summary")[-1]
     for label in ("validation loss", "validation perplexity", "tokens/s", "skipped steps"):
         assert label in out
     summary = _records(tiny_run, "summary")[-1]
@@ -295,3 +304,182 @@ def test_console_script_error_in_a_fresh_process():
         "fusedpc: error: n_heads=4 must divide width=30 (each head gets width/n_heads "
         "features); choose e.g. n_heads=3."
     ]
+
+
+# --------------------------------------------------------------------------- run folders
+_HOLD_FOLDER = """
+import sys, time
+from fusedpc.training._run_folder import RunFolder
+folder = RunFolder(sys.argv[1])
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_run_into_a_claimed_folder_is_refused(tmp_path):
+    # Another process holds the folder (as a run does for its life): a run into it is
+    # refused with one line, before it writes anything.
+    out = tmp_path / "claimed"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_FOLDER, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "fusedpc.cli", "train", "--config", str(TINY), "--out",
+             str(out), "--compile-cache", "none"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )
+        assert result.returncode == 1, result.stderr
+        assert f"is in use by another run (pid {holder.pid})" in result.stderr
+        assert "Traceback" not in result.stderr and time.monotonic() - started < 60
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    # once the holder is gone (killed: the OS dropped its lock) the folder is free again
+    from fusedpc.training._run_folder import RunFolder
+
+    RunFolder(out).release()
+
+
+def test_default_run_folders_never_collide(tmp_path):
+    from fusedpc.training._run_folder import default_out
+
+    folders = [default_out(tmp_path) for _ in range(3)]  # within one second, most likely
+    assert len({f.name for f in folders}) == 3 and all(f.is_dir() for f in folders)
+
+
+def test_resume_into_another_runs_folder_is_refused(train_cli, tiny_run, tmp_path, capsys):
+    other = tmp_path / "other"
+    assert train_cli("--steps", "5", "--out", str(other)) == 0
+    before = (other / "checkpoint.fpc").read_bytes()
+    capsys.readouterr()
+    code = main(["train", "--resume", str(tiny_run), "--steps", "40", "--out", str(other),
+                 "--compile-cache", "none"])
+    assert code == 1
+    assert "already holds a run" in _one_error_line(capsys)
+    assert (other / "checkpoint.fpc").read_bytes() == before  # nothing overwritten
+
+
+def test_resume_refuses_an_edited_config_unless_allowed(train_cli, tmp_path, capsys):
+    run = tmp_path / "edited"
+    assert train_cli("--steps", "5", "--out", str(run)) == 0
+    text = (run / "config.toml").read_text()
+    assert "\nlr = 0.003\n" in text and "\nseed = 0\n" in text
+    (run / "config.toml").write_text(
+        text.replace("\nlr = 0.003\n", "\nlr = 0.01\n").replace("\nseed = 0\n", "\nseed = 4\n")
+    )
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--steps", "10", "--compile-cache", "none"]) == 1
+    line = _one_error_line(capsys)
+    assert "differs from the one its checkpoint was trained with" in line
+    assert "lr (0.003 -> 0.01)" in line and "seed (0 -> 4)" in line
+    assert "--allow-config-change" in line
+    assert main(["train", "--resume", str(run), "--steps", "10", "--allow-config-change",
+                 "--compile-cache", "none"]) == 0
+    changes = _records(run, "config_change")
+    assert changes == [
+        {"kind": "config_change", "step": 5, "changed": {"lr": [0.003, 0.01], "seed": [0, 4]}}
+    ]
+    assert "config change (--allow-config-change): lr 0.003 -> 0.01" in capsys.readouterr().err
+
+
+def test_a_torn_last_log_line_does_not_block_resume(train_cli, tmp_path, capsys):
+    whole, split = tmp_path / "whole", tmp_path / "torn"
+    assert train_cli("--steps", "10", "--out", str(whole)) == 0
+    assert train_cli("--steps", "5", "--out", str(split)) == 0
+    log = split / "log.jsonl"
+    log.write_text(log.read_text() + '{"kind": "train", "step": 6, "lo')  # killed mid-write
+    capsys.readouterr()
+    assert main(["train", "--resume", str(split), "--steps", "10", "--compile-cache", "none"]) == 0
+    assert "dropped a torn last line" in capsys.readouterr().err
+    assert [(r["step"], r["loss"]) for r in _records(split, "train")] == [
+        (r["step"], r["loss"]) for r in _records(whole, "train")
+    ]
+    log.write_text('{"kind": "train"\n' + log.read_text())  # real corruption: refused
+    with pytest.raises(ValueError, match=r"log.jsonl:1: not a JSON line"):
+        fusedpc.training.read_log(log, drop_torn_tail=True)
+
+
+def test_sigterm_saves_and_the_resumed_run_is_bit_identical(cache, tmp_path):
+    _runtime.enable_compile_cache(cache)
+    config = _config_file.resolve_config(TINY, {"steps": 20})
+    whole = _loop.train(config, tmp_path / "whole", stream=open(os.devnull, "w"))
+
+    def terminate_at_ten(step, loss):
+        if step == 10:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill` or a scheduler would
+
+    messages = io.StringIO()
+    out = tmp_path / "terminated"
+    stopped = _loop.train(config, out, callback=terminate_at_ten, stream=messages)
+    assert stopped.interrupted and stopped.step == 10
+    assert f"resume with: fusedpc train --resume {out} --steps 20" in messages.getvalue()
+    resumed = _loop.train(config, resume_from=out, stream=open(os.devnull, "w"))
+    assert resumed.step == 20
+    assert [(r["step"], r["loss"]) for r in _records(out, "train")] == [
+        (r["step"], r["loss"]) for r in _records(tmp_path / "whole", "train")
+    ]
+    for x, y in zip(jax.tree_util.tree_leaves(whole.pipeline.state),
+                    jax.tree_util.tree_leaves(resumed.pipeline.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# --------------------------------------------------------------------------- the device in view
+def test_the_run_records_and_prints_where_it_runs(tiny_run):
+    from fusedpc.transformer.reference import GPT
+
+    record = _records(tiny_run, "run")[0]
+    assert record["platform"] == "cpu" and record["devices"] == 1
+    assert record["jax"] == jax.__version__ and record["processes"] == 1
+    _, tokenizer, config, _ = _setup.load_run(tiny_run)
+    m = config.model
+    twin = GPT(tokenizer.vocab_size, m.width, m.n_heads, m.n_blocks, m.ff_width, m.max_len,
+               key=jax.random.key(1))
+    arrays = [a for a in jax.tree_util.tree_leaves(twin) if isinstance(a, jax.Array)]
+    assert record["parameters"] == sum(a.size for a in arrays) > 0
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fusedpc {fusedpc.__version__}"
+
+
+def test_a_missing_backend_is_one_line_saying_what_to_install(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "fusedpc.cli", "train", "--device", "tpu", "--config", str(TINY),
+         "--out", str(tmp_path / "tpu"), "--compile-cache", "none"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("fusedpc: error:")]
+    assert len(lines) == 1 and "--device tpu: JAX has no such backend here" in lines[0]
+    assert 'pip install -U "jax[tpu]"' in lines[0]
+
+
+# --------------------------------------------------------------------------- sample and eval
+def test_sample_continues_a_prompt_from_the_checkpoint(tiny_run, capsys):
+    args = ["sample", str(tiny_run), "--prompt", "The ", "--tokens", "30", "--seed", "3"]
+    assert main([*args, "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out.rstrip("\n")
+    assert greedy.startswith("[The ]") and len(greedy) == len("[The ]") + 30
+    assert main([*args, "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == greedy  # greedy: the same text again
+    assert main([*args, "--top-k", "1", "--temperature", "1.5"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == greedy  # top-1 sampling is greedy
+
+
+def test_eval_of_the_checkpoint_reproduces_the_runs_last_validation(tiny_run, tmp_path, capsys):
+    assert main(["eval", str(tiny_run)]) == 0
+    line = capsys.readouterr().out.strip()
+    last = _records(tiny_run, "eval")[-1]
+    assert f"loss {last['val_loss']:.4f}, perplexity {last['val_perplexity']:.2f}" in line
+    text = tmp_path / "other.txt"
+    text.write_text(fusedpc.training.data.load_text()[:3000])  # characters the run knows
+    assert main(["eval", str(tiny_run), "--text", str(text), "--batches", "1"]) == 0
+    assert "1 batches of 4 x 16 tokens: loss" in capsys.readouterr().out

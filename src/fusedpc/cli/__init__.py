@@ -18,7 +18,8 @@ __all__ = ["build_parser", "main"]
 
 def _one_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.strerror and len(err.args) > 1:
-        message = err.strerror
+        # keep the path: "File exists: runs/x", not "File exists"
+        message = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
     else:
         message = str(err) or type(err).__name__
     return " ".join(message.split())

@@ -43,14 +43,19 @@ def train_command(args: argparse.Namespace) -> int:
             ff_width=config.model.ff_width,
         ),
     )
-    result = _loop.train(config, args.out, resume_from=args.resume)
+    _runtime.select_platform(args.device)  # after the host-memory choice: starts JAX
+    if args.allow_config_change and args.resume is None:
+        raise ValueError("--allow-config-change: only with --resume DIR.")
+    result = _loop.train(
+        config, args.out, resume_from=args.resume, allow_config_change=args.allow_config_change
+    )
     import jax
 
     if jax.process_index() != 0:  # in a multi-process run, process 0 speaks for all
         return 130 if result.interrupted else 0
     if result.sample:
-        print("sample:")
-        print(result.sample)
+        print("sample (the prompt in []):")
+        print(result.marked_sample())
         print()
     print(_loop.format_summary(result))
     return 130 if result.interrupted else 0  # the shell's status for a run stopped by Ctrl-C
@@ -76,3 +81,51 @@ def report_command(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
+def sample_command(args: argparse.Namespace) -> int:
+    """`fusedpc sample RUN`: text from a run's checkpoint, the prompt marked in brackets."""
+    import jax
+    import numpy as np
+
+    from fusedpc.training import _setup
+    from fusedpc.transformer import generate
+
+    pipeline, tokenizer, config, _ = _setup.load_run(args.run)
+    prompt = args.prompt if args.prompt is not None else "\n"
+    if not prompt:
+        raise ValueError("--prompt: give at least one character (the default is a newline).")
+    ids = np.asarray(tokenizer.encode(prompt), np.int32)
+    temperature = config.temperature if args.temperature is None else args.temperature
+    out = generate(pipeline, ids[None], args.tokens, temperature,
+                   jax.random.key(args.seed), top_k=args.top_k)
+    continuation = tokenizer.decode(np.asarray(out)[0, ids.size:])
+    print(f"[{prompt}]{continuation}")
+    return 0
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    """`fusedpc eval RUN`: the checkpoint's mean cross-entropy and perplexity on a text."""
+    import math
+
+    import numpy as np
+
+    from fusedpc.training import _setup, data
+    from fusedpc.training._evaluate import evaluate
+
+    pipeline, tokenizer, config, metadata = _setup.load_run(args.run)
+    if args.text is None:  # the run's own validation split, as `train` evaluates it
+        ids = _setup.load_tokens(config, metadata["tokenizer"], tokenizer)[3]
+        source = f"the validation split of {config.text!r}"
+    else:
+        ids = np.asarray(tokenizer.encode(data.load_text(args.text)), np.int32)
+        source = repr(args.text)
+    batches = config.eval_batches if args.batches is None else args.batches
+    if batches < 1:
+        raise ValueError(f"--batches: expected an integer >= 1, got {batches}.")
+    windows = data.BatchIterator(ids, config.batch, config.model.max_len, seed=config.seed)
+    x, y = windows.next_batches(batches)
+    loss = evaluate(pipeline, x, y, config.model.head_kind == "categorical")
+    print(f"{source}: {batches} batches of {config.batch} x {config.model.max_len} tokens: "
+          f"loss {loss:.4f}, perplexity {math.exp(loss):.2f}")
+    return 0

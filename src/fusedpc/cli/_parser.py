@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fusedpc.cli._commands import report_command, train_command
+from fusedpc.cli._commands import eval_command, report_command, sample_command, train_command
 from fusedpc.cli._flags import ALIASES, CONFIG_FLAGS, parse_bool, parse_scan, setting_name
 from fusedpc.training import HOST_MEMORY_MODES
+from fusedpc.training._runtime import PLATFORMS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,12 +23,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> _Parser:
+    from fusedpc._version import __version__
     from fusedpc.training._config import SETTINGS  # no JAX backend is started by this import
 
     parser = _Parser(
         prog="fusedpc",
         description="Train hybrid predictive-coding GPTs and read their step reports.",
     )
+    parser.add_argument("--version", action="version", version=f"fusedpc {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     train = commands.add_parser(
@@ -45,6 +48,9 @@ def build_parser() -> _Parser:
                        help="output folder (default runs/<timestamp>; with --resume, DIR)")
     train.add_argument("--resume", metavar="DIR",
                        help="continue the run in DIR up to --steps total steps")
+    train.add_argument("--allow-config-change", action="store_true",
+                       help="with --resume: accept a DIR/config.toml edited since the "
+                       "checkpoint (the change is logged); refused without it")
     old_spelling = {new: old for old, new in ALIASES.items()}
     for flag, text in CONFIG_FLAGS:
         field = setting_name(flag)
@@ -59,6 +65,9 @@ def build_parser() -> _Parser:
         default_text = str(default).lower() if isinstance(default, bool) else default
         train.add_argument(*flags, dest=field, type=kind, default=None, metavar=metavar,
                            help=f"{text} (default {default_text})")
+    train.add_argument("--device", choices=PLATFORMS, default=None,
+                       help="the JAX platform to run on (default: JAX's choice, the GPU or "
+                       "TPU when one is installed; JAX_PLATFORMS also works)")
     train.add_argument("--distributed", action="store_true", default=None,
                        help="join a multi-process run (jax.distributed.initialize())")
     train.add_argument("--compile-cache", metavar="DIR",
@@ -90,11 +99,47 @@ def build_parser() -> _Parser:
     report.add_argument("--fraction", type=float, default=1.0, metavar="X",
                         help="use only the last FRACTION of the logged steps (default 1)")
     report.set_defaults(handler=report_command)
+    sample = commands.add_parser(
+        "sample",
+        usage="fusedpc sample RUN [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] "
+        "[--seed S]",
+        help="print text sampled from a run's checkpoint",
+        description="Sample from the model in RUN/checkpoint.fpc; the prompt is shown in [].",
+    )
+    sample.add_argument("run", metavar="RUN", help="a run folder fusedpc train wrote")
+    sample.add_argument("--prompt", metavar="TEXT", help="the text to continue (default: a "
+                        "newline)")
+    sample.add_argument("--tokens", type=int, default=200, metavar="N",
+                        help="tokens to generate (default 200)")
+    sample.add_argument("--temperature", type=float, default=None, metavar="T",
+                        help="sampling temperature, 0: greedy (default: the run's)")
+    sample.add_argument("--top-k", type=int, default=None, metavar="K",
+                        help="sample only among the K most likely tokens (default: all)")
+    sample.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="seed of the sampling (default 0)")
+    sample.set_defaults(handler=sample_command)
+    evaluate = commands.add_parser(
+        "eval",
+        usage="fusedpc eval RUN [--text PATH] [--batches N]",
+        help="the validation loss and perplexity of a run's checkpoint on a text",
+        description="Mean cross-entropy (nats per token) and perplexity of RUN's checkpoint "
+        "on --text (default: the run's own validation split, as fusedpc train measures it).",
+    )
+    evaluate.add_argument("run", metavar="RUN", help="a run folder fusedpc train wrote")
+    evaluate.add_argument("--text", metavar="PATH",
+                          help="a bundled text name or a UTF-8 text file (default: the run's "
+                          "validation split)")
+    evaluate.add_argument("--batches", type=int, default=None, metavar="N",
+                          help="batches of the run's batch size and length (default: the "
+                          "run's eval_batches)")
+    evaluate.set_defaults(handler=eval_command)
     bench = commands.add_parser(
         "bench", add_help=False,
         help="benchmark fused, fused-run, unfused and backprop steps (fusedpc bench --help)",
     )
-    parser.commands = {"train": train, "report": report, "bench": bench}
+    parser.commands = {
+        "train": train, "report": report, "sample": sample, "eval": evaluate, "bench": bench
+    }
     return parser
 
 

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 LOG_NAME = "log.jsonl"
 
 
-def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_log(path: str | os.PathLike, *, drop_torn_tail: bool = False) -> list[dict[str, Any]]:
     """The records of a JSONL log (`log.jsonl` of a run), in order.
 
     Args:
         path: the log file.
+        drop_torn_tail: drop (with a `RuntimeWarning`) a last line that was cut mid-write (no
+            final newline, not valid JSON): what a process killed while writing leaves.
+            Any other malformed line is still refused.
 
     Returns:
         One dict per non-empty line.
@@ -28,16 +32,25 @@ def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"no log file at {path!r}")
     records = []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object per line")
-            records.append(record)
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if drop_torn_tail and number == len(lines) and not line.endswith("\n"):
+                warnings.warn(
+                    f"{path}:{number}: dropped a torn last line (the run was stopped while "
+                    "writing it)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                break
+            raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object per line")
+        records.append(record)
     return records
 
 

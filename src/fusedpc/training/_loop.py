@@ -29,9 +29,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,13 +44,31 @@ import numpy as np
 from fusedpc.execution._checkpoint import read_checkpoint_manifest
 from fusedpc.execution._sharding import make_global_batch
 from fusedpc.training import _plots, data
-from fusedpc.training._config import TrainConfig, config_settings
-from fusedpc.training._config_file import CHECKPOINT_NAME, CONFIG_NAME, config_to_toml
+from fusedpc.training._config import (
+    RENAMED,
+    SETTINGS,
+    TrainConfig,
+    coerce_settings,
+    config_settings,
+)
+from fusedpc.training._config_file import (
+    CHECKPOINT_NAME,
+    CONFIG_NAME,
+    RESUMABLE,
+    config_to_toml,
+)
 from fusedpc.training._evaluate import evaluate, host_array
 from fusedpc.training._log import LOG_NAME, RunLog, read_log
 from fusedpc.training._progress import Progress, format_duration
-from fusedpc.training._runtime import StopRequest, join_processes
-from fusedpc.training._setup import build_pipeline, call_size, load_tokens, make_mesh
+from fusedpc.training._run_folder import RunFolder, default_out
+from fusedpc.training._runtime import StopRequest, device_info, join_processes
+from fusedpc.training._setup import (
+    build_pipeline,
+    call_size,
+    load_tokens,
+    make_mesh,
+    parameter_count,
+)
 from fusedpc.training._table import format_rows
 from fusedpc.transformer._generate import generate
 
@@ -61,14 +81,22 @@ def _in_step(pipeline, step: int) -> bool:
         return False
 
 
-def _default_out() -> Path:
-    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    out = Path("runs") / stamp
-    n = 1
-    while out.exists():
-        n += 1
-        out = Path("runs") / f"{stamp}_{n}"
-    return out
+def _changed_settings(saved: dict[str, Any], config: TrainConfig) -> dict[str, list[Any]]:
+    """Settings outside `RESUMABLE` whose value differs from the one a checkpoint was trained
+    with: `{name: [trained, now]}`. Settings the checkpoint predates count as their default."""
+    with warnings.catch_warnings():  # a 0.1 checkpoint's old names: renamed silently here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        known = coerce_settings(
+            {k: v for k, v in saved.items() if k in SETTINGS or k in RENAMED},
+            "the checkpoint's config",
+        )
+    trained = {**SETTINGS, **known}
+    now = config_settings(config)
+    return {
+        name: [trained[name], now[name]]
+        for name in now
+        if name not in RESUMABLE and trained[name] != now[name]
+    }
 
 
 @dataclasses.dataclass
@@ -91,6 +119,13 @@ class TrainResult:
     tokenizer: Any
     files: list[Path]
     skips: dict[str, int] = dataclasses.field(default_factory=dict)
+    sample_prompt: str = ""
+
+    def marked_sample(self) -> str:
+        """The sample with its prompt in brackets: `[prompt]continuation`."""
+        if self.sample_prompt and self.sample.startswith(self.sample_prompt):
+            return f"[{self.sample_prompt}]{self.sample[len(self.sample_prompt):]}"
+        return self.sample
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """`(label, value)` rows of the end-of-run table."""
@@ -131,22 +166,60 @@ class _Session:
         stream: TextIO | None,
         interactive: bool | None,
         tokenizer: data.Tokenizer | None,
+        allow_config_change: bool = False,
     ) -> None:
         self.config = config
         self.leader = jax.process_index() == 0
         self.processes = jax.process_count()
-        self.out = Path(out if out is not None else resume_from or _default_out())
-        if resume_from is None and (self.out / CHECKPOINT_NAME).exists():
-            raise ValueError(
-                f"{str(self.out)!r} already holds a run ({CHECKPOINT_NAME}); continue it with "
-                f"--resume {self.out}, or choose another --out."
-            )
+        self.folder: RunFolder | None = None
+        if out is None and resume_from is None:
+            # created exclusively: two runs started in the same second get two folders
+            self.out = default_out() if self.leader else Path("runs") / "unused"
+        else:
+            self.out = Path(out if out is not None else resume_from)  # type: ignore[arg-type]
+        here = resume_from is not None and os.path.abspath(self.out) == os.path.abspath(
+            resume_from
+        )
+        if self.leader:  # claimed before anything is read or written; held for the run
+            self.folder = RunFolder(self.out, resuming=here)
+        try:
+            self._open(config, resume_from, stream, interactive, tokenizer, allow_config_change)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give the run folder up (its lock), at the end of the run or on an error."""
+        if self.folder is not None:
+            self.folder.release()
+            self.folder = None
+
+    def _open(
+        self,
+        config: TrainConfig,
+        resume_from: str | os.PathLike | None,
+        stream: TextIO | None,
+        interactive: bool | None,
+        tokenizer: data.Tokenizer | None,
+        allow_config_change: bool,
+    ) -> None:
         checkpoint = None if resume_from is None else Path(resume_from) / CHECKPOINT_NAME
         metadata: dict[str, Any] = {}
+        changed: dict[str, list[Any]] = {}
+        self.torn_log_message: str | None = None
         if checkpoint is not None:
             metadata = read_checkpoint_manifest(checkpoint)["metadata"]
             if not isinstance(metadata, dict) or "tokenizer" not in metadata:
                 raise ValueError(f"{str(checkpoint)!r} was not written by fusedpc train.")
+            if isinstance(metadata.get("config"), dict):
+                changed = _changed_settings(metadata["config"], config)
+            if changed and not allow_config_change:
+                listed = ", ".join(f"{k} ({v[0]!r} -> {v[1]!r})" for k, v in changed.items())
+                raise ValueError(
+                    f"--resume: the run's config differs from the one its checkpoint was "
+                    f"trained with: {listed}; restore {CONFIG_NAME}, or pass "
+                    "--allow-config-change to continue with the change (it is logged)."
+                )
         text, self.tokenizer, train_ids, self.val_ids = load_tokens(
             config, metadata.get("tokenizer"), tokenizer
         )
@@ -192,8 +265,19 @@ class _Session:
             (self.out / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
             previous = None if resume_from is None else Path(resume_from) / LOG_NAME
             if previous is not None and previous.exists():
-                history = [r for r in read_log(previous) if int(r.get("step", 0)) <= self.step]
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", RuntimeWarning)
+                    records = read_log(previous, drop_torn_tail=True)
+                history = [r for r in records if int(r.get("step", 0)) <= self.step]
+                for warning in caught:
+                    self.torn_log_message = str(warning.message)
         self.log = RunLog(self.out / LOG_NAME, history, write=self.leader)
+        self.device = {**device_info(), "parameters": parameter_count(
+            config, self.tokenizer.vocab_size
+        )}
+        self.log.emit({"kind": "run", "step": self.step, **self.device})
+        if changed:
+            self.log.emit({"kind": "config_change", "step": self.step, "changed": changed})
         self.progress = Progress(
             config.steps, self.step, stream=stream if self.leader else io.StringIO(),
             interactive=interactive,
@@ -208,8 +292,18 @@ class _Session:
             f"{config.optimiser} lr {config.lr:g}; {len(train_ids):,} training tokens -> "
             f"{self.out}"
         )
+        d = self.device
+        self.say(
+            f"running on {d['devices']} {d['platform']} device(s) ({d['device_kind']}) in "
+            f"{d['processes']} process(es); jax {d['jax']}, jaxlib {d['jaxlib']}; "
+            f"{d['parameters']:,} parameters"
+        )
         if resume_from is not None:
             self.say(f"resuming from step {self.step} of {resume_from}")
+        if self.torn_log_message is not None:
+            self.say(f"warning: {self.torn_log_message}")
+        for name, (trained, now) in changed.items():
+            self.say(f"config change (--allow-config-change): {name} {trained!r} -> {now!r}")
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.began
@@ -283,24 +377,28 @@ class _Session:
             self.save()
         return float(losses[-1])
 
-    def sample(self) -> str:
+    def sample(self) -> tuple[str, str]:
+        """`(prompt, whole text)`: the start of the validation text and its continuation."""
         prompt = self.val_ids[: max(1, min(16, self.config.model.max_len // 2))]
         key = jax.random.fold_in(jax.random.key(self.config.seed), self.step)
         ids = generate(self.pipeline, prompt[None], self.config.sample_tokens,
                        self.config.temperature, key)
-        return self.tokenizer.decode(np.asarray(ids)[0])
+        return self.tokenizer.decode(prompt), self.tokenizer.decode(np.asarray(ids)[0])
 
     def finish(self, interrupted: bool) -> TrainResult:
         """The last evaluation, the checkpoint, the sample, the summary and the plots."""
         if interrupted:
             self.say(f"interrupted at step {self.step}: saving the checkpoint and the files")
+            self.say(
+                f"resume with: fusedpc train --resume {self.out} --steps {self.config.steps}"
+            )
         if self.val_step != self.step:
             self.evaluate()
         self.save()
         self.progress.close()
-        sample = ""
+        sample, prompt = "", ""
         if not interrupted and self.config.sample_tokens > 0 and self.processes == 1:
-            sample = self.sample()
+            prompt, sample = self.sample()
         losses = [r["loss"] for r in self.log.records if r.get("kind") == "train"]
         tail = [x for x in losses[-10:] if math.isfinite(x)]
         result = TrainResult(
@@ -320,6 +418,7 @@ class _Session:
             pipeline=self.pipeline,
             tokenizer=self.tokenizer,
             files=[],
+            sample_prompt=prompt,
         )
         self.log.emit({"kind": "summary", "step": self.step, "train_loss": result.train_loss,
                        "val_loss": result.val_loss, "val_perplexity": result.val_perplexity,
@@ -336,7 +435,24 @@ class _Session:
                 self.say(_plots.PLOTS_MISSING)
             result.files = [self.out / CONFIG_NAME, self.out / LOG_NAME,
                             self.out / CHECKPOINT_NAME, *plots]
+            summary = self.log.records[-1]
+            _write_atomically(self.out / SUMMARY_NAME, json.dumps(summary, indent=1) + "\n")
+            result.files.append(self.out / SUMMARY_NAME)
+            if sample:
+                _write_atomically(self.out / SAMPLE_NAME, sample)
+                result.files.append(self.out / SAMPLE_NAME)
         return result
+
+
+SUMMARY_NAME = "summary.json"
+SAMPLE_NAME = "sample.txt"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename (never half a file)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
 
 
 def _crossed(every: int, before: int, after: int) -> bool:
@@ -353,6 +469,7 @@ def train(
     interactive: bool | None = None,
     callback: Callable[[int, float], bool | None] | None = None,
     tokenizer: data.Tokenizer | None = None,
+    allow_config_change: bool = False,
 ) -> TrainResult:
     """Train (or continue) a run; see the module docstring for the files it writes.
 
@@ -371,6 +488,13 @@ def train(
         tokenizer: a tokeniser of your own (any object with `encode`, `decode`, `vocab_size`
             and `to_dict`: `fusedpc.training.data.Tokenizer`) instead of the one
             `config.tokenizer` names; give it again to resume such a run.
+        allow_config_change: on resume, accept settings outside `RESUMABLE` that differ from
+            those the checkpoint was trained with (an edited `config.toml`); the change is
+            logged (`{"kind": "config_change", ...}`). Without it such a difference is refused.
+
+    The run folder is claimed for the run's life (`fusedpc.training._run_folder`): a second
+    run into it is refused, and a new run never writes into a folder holding another run.
+    SIGTERM is handled like the first Ctrl-C (stop after the call, save, write the files).
 
     Returns:
         The `TrainResult`: final figures, the live pipeline and the files written.
@@ -378,7 +502,20 @@ def train(
     config.validate()
     if config.distributed:
         join_processes()
-    session = _Session(config, out, resume_from, stream, interactive, tokenizer)
+    session = _Session(
+        config, out, resume_from, stream, interactive, tokenizer, allow_config_change
+    )
+    try:
+        return _train_session(session, config, callback)
+    finally:
+        session.release()
+
+
+def _train_session(
+    session: _Session,
+    config: TrainConfig,
+    callback: Callable[[int, float], bool | None] | None,
+) -> TrainResult:
     if session.step == 0:
         session.evaluate()  # the untrained model: the first point of the validation curve
     stop = StopRequest(

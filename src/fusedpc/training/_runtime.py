@@ -20,34 +20,88 @@ from fusedpc.execution._sharding import (
     initialize_distributed,
 )
 
+PLATFORMS = ("cpu", "gpu", "tpu")
+"""The platforms `fusedpc train --device` accepts."""
+
+_INSTALL_HINTS = {
+    "gpu": 'pip install -U "jax[cuda12]" (NVIDIA; see JAX\'s installation guide for ROCm)',
+    "tpu": 'pip install -U "jax[tpu]"',
+    "cpu": "pip install -U jax",
+}
+
+
+def select_platform(platform: str | None) -> None:
+    """Run on `platform` (`"cpu"`, `"gpu"`, `"tpu"`), or JAX's choice for None, and check
+    that it is there: a missing backend is a `ValueError` saying what to install.
+
+    Must run before JAX starts its backends (the CLI calls it right after parsing)."""
+    if platform is not None:
+        if platform not in PLATFORMS:
+            raise ValueError(f"--device: expected one of {PLATFORMS}, got {platform!r}.")
+        jax.config.update("jax_platforms", "cuda,rocm" if platform == "gpu" else platform)
+    try:
+        jax.devices()
+    except RuntimeError as err:
+        wanted = platform or os.environ.get("JAX_PLATFORMS") or "the default platform"
+        hint = _INSTALL_HINTS.get(str(platform), "check JAX_PLATFORMS and your jax install")
+        detail = " ".join(str(err).split())[:160]
+        raise ValueError(
+            f"--device {wanted}: JAX has no such backend here ({detail}); install it with "
+            f"{hint}, or run on --device cpu."
+        ) from None
+
+
+def device_info() -> dict[str, Any]:
+    """What the run runs on: platform, device kind and count, processes, jax and jaxlib."""
+    import jaxlib
+
+    devices = jax.devices()
+    return {
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "devices": len(devices),
+        "processes": jax.process_count(),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jaxlib, "__version__", "unknown"),
+    }
+
 
 class StopRequest:
-    """Turns the first Ctrl-C (SIGINT) into a request to stop after the current call; a
-    second Ctrl-C interrupts at once. Installed only in the main thread."""
+    """Turns the first Ctrl-C (SIGINT) or SIGTERM (what `kill`, a scheduler's time limit or a
+    container's stop sends) into a request to stop after the current call; a second one
+    interrupts at once. Installed only in the main thread."""
+
+    SIGNALS = tuple(
+        s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None)) if s is not None
+    )
 
     def __init__(self, on_request: Callable[[], None] | None = None):
         self.requested = False
         self.aborted = False
         self._on_request = on_request
-        # the SIGINT handler this one replaced, as `signal.signal` returns it
-        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
+        # the handlers this one replaced, as `signal.signal` returns them
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
+        self.signal_name: str | None = None
 
     def _handle(self, signum, frame):
         if self.requested:
             self.aborted = True
             raise KeyboardInterrupt
         self.requested = True
+        self.signal_name = signal.Signals(signum).name
         if self._on_request is not None:
             self._on_request()
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for number in self.SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
         return self
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        self._previous = {}
         return False
 
 

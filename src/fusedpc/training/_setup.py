@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fusedpc.execution._checkpoint import read_checkpoint_manifest
@@ -101,6 +102,30 @@ def make_mesh(config: TrainConfig):
     if config.distributed:
         return data_mesh()  # every device of every process
     return None if config.devices == 1 else data_mesh(config.devices)
+
+
+def parameter_count(config: TrainConfig, vocab_size: int) -> int:
+    """The model's parameters (weights, biases, tables, LayerNorm affines): those of its
+    equinox twin, counted from shapes alone (`jax.eval_shape`: nothing is allocated)."""
+    import equinox as eqx
+
+    from fusedpc.transformer.reference import GPT
+
+    m = config.model
+
+    def make():
+        return GPT(vocab_size, m.width, m.n_heads, m.n_blocks, m.ff_width, m.max_len,
+                   key=jax.random.key(0))
+
+    shapes = eqx.filter_eval_shape(make)
+    leaves = jax.tree_util.tree_leaves(shapes)
+    return int(
+        sum(
+            int(np.prod(leaf.shape))
+            for leaf in leaves
+            if isinstance(leaf, jax.ShapeDtypeStruct) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+        )
+    )
 
 
 def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _sampler(predict, max_len: int, n_new: int, probabilities: bool):
+def _sampler(predict, max_len: int, n_new: int, probabilities: bool, top_k: int | None):
     def sample(state, prompt, temperature, key):
         batch, prompt_len = prompt.shape
         window_len = min(max_len, prompt_len + n_new)
@@ -27,6 +27,9 @@ def _sampler(predict, max_len: int, n_new: int, probabilities: bool):
             scores = predict(state, window)
             last = jax.lax.dynamic_index_in_dim(scores, filled - 1, axis=1, keepdims=False)
             logits = jnp.log(jnp.clip(last, 1e-30, 1.0)) if probabilities else last
+            if top_k is not None and top_k < logits.shape[-1]:
+                kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+                logits = jnp.where(logits < kth, -jnp.inf, logits)
             key, sub = jax.random.split(key)
             greedy = jnp.argmax(logits, axis=-1)
             sampled = jax.random.categorical(
@@ -53,7 +56,9 @@ class FusedPipelineLike(Protocol):
 
     tree: Any
     program: Any
-    state: Any
+
+    @property
+    def state(self) -> Any: ...
 
 
 # One compiled sampler per (program, n_new, output kind); dropped with the program.
@@ -66,12 +71,16 @@ def generate(
     n_new: int,
     temperature: float = 1.0,
     key: jax.Array | None = None,
+    *,
+    top_k: int | None = None,
 ) -> jax.Array:
     """Extend `prompt_ids` `(batch, prompt_len)` by `n_new` tokens sampled from the model.
 
     Each new token is drawn from $\\mathrm{softmax}(\\text{logits}/\\tau)$ at the last position
-    ($\\tau$ = `temperature`; `temperature=0` takes the argmax, greedy). The context is the last
-    `max_len` tokens (a longer prompt is kept whole in the result; the model sees its tail).
+    ($\\tau$ = `temperature`; `temperature=0` takes the argmax, greedy); with `top_k` only the
+    `top_k` most likely tokens can be drawn (ties at the k-th value included). The context is
+    the last `max_len` tokens (a longer prompt is kept whole in the result; the model sees its
+    tail).
     The whole loop is one compiled program (`lax.fori_loop`), compiled once
     per (prompt shape, `n_new`) and cached for the pipeline's step program; the state is read,
     never donated.
@@ -111,18 +120,23 @@ def generate(
             f"generate: temperature must be a finite number >= 0 (0 samples greedily), got "
             f"{temperature!r}."
         )
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 1
+    ):
+        raise ValueError(f"generate: top_k must be None or an integer >= 1, got {top_k!r}.")
     tree.validate_input(prompt, "")
     probabilities = getattr(tree, "output", "logits") == "probabilities"
     program = pipeline.program
     cache = _SAMPLERS.setdefault(program, {})
-    sample_key = (int(n_new), probabilities)
+    top_k = None if top_k is None else int(top_k)
+    sample_key = (int(n_new), probabilities, top_k)
     if sample_key not in cache:
         forward = program.core.forward  # not the program itself: the cache holds it weakly
 
         def predict(state, window):
             return forward(state, window)[0]
 
-        cache[sample_key] = _sampler(predict, max_len, int(n_new), probabilities)
+        cache[sample_key] = _sampler(predict, max_len, int(n_new), probabilities, top_k)
     key = jax.random.key(0) if key is None else key
     return cache[sample_key](
         pipeline.state, jnp.asarray(prompt, jnp.int32), jnp.asarray(temperature, jnp.float32),
