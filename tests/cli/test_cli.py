@@ -483,3 +483,32 @@ def test_eval_of_the_checkpoint_reproduces_the_runs_last_validation(tiny_run, tm
     text.write_text(fusedpc.training.data.load_text()[:3000])  # characters the run knows
     assert main(["eval", str(tiny_run), "--text", str(text), "--batches", "1"]) == 0
     assert "1 batches of 4 x 16 tokens: loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, largest",
+    [
+        (["--width", "1048576", "--n-heads", "1"], "state"),
+        (["--batch", "1000000000"], "step"),
+        (["--sample-tokens", "1000000000"], "sample"),
+    ],
+)
+def test_a_config_too_large_for_memory_is_refused_at_once(flags, largest, tmp_path, capsys):
+    started = time.monotonic()
+    out = tmp_path / "huge"
+    assert main(["train", "--config", str(TINY), "--out", str(out), *flags,
+                 "--compile-cache", "none"]) == 1
+    assert time.monotonic() - started < 5
+    line = _one_error_line(capsys)
+    assert "this run needs about" in line and f"({largest} " in line and "GiB" in line
+    assert not (out / "checkpoint.fpc").exists()
+
+
+def test_the_memory_estimate_counts_the_models_parameters():
+    from fusedpc.training._memory import estimate_run_memory
+
+    config = _config_file.resolve_config(TINY)
+    need = estimate_run_memory(config, 65)
+    # the state term is 2 x (weights + Adam's two moments) in float32
+    assert need["state"] == 2 * 3 * 4 * _setup.parameter_count(config, 65)
+    assert need["total"] == sum(v for k, v in need.items() if k != "total")

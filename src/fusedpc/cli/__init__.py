@@ -55,4 +55,18 @@ def _guarded(command: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print("fusedpc: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as err:
+        # an allocation failure (XLA's RESOURCE_EXHAUSTED, or the host's) is one line too;
+        # any other runtime error is a bug worth its traceback
+        text = str(err)
+        if os.environ.get("FUSEDPC_TRACEBACK") or not (
+            isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+        ):
+            raise
+        print(
+            f"fusedpc: error: out of memory ({_one_line(err)[:200]}); lower --batch, --width or "
+            "--max-len.",
+            file=sys.stderr,
+        )
+        return 1
 

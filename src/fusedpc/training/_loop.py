@@ -59,6 +59,7 @@ from fusedpc.training._config_file import (
 )
 from fusedpc.training._evaluate import evaluate, host_array
 from fusedpc.training._log import LOG_NAME, RunLog, read_log
+from fusedpc.training._memory import check_run_memory
 from fusedpc.training._progress import Progress, format_duration
 from fusedpc.training._run_folder import RunFolder, default_out
 from fusedpc.training._runtime import StopRequest, device_info, join_processes
@@ -229,6 +230,8 @@ class _Session:
                 f"the text {config.text!r} differs from the one the run was trained on (its "
                 "SHA-256 changed); resume with the same text."
             )
+        # before anything is built or compiled: a config too large for memory is one line
+        self.memory = check_run_memory(config, self.tokenizer.vocab_size)
         self.mesh = make_mesh(config)
         self.pipeline = build_pipeline(config, self.tokenizer.vocab_size, self.mesh)
         # Each process draws its own rows; batch k depends only on (seed, k).
