@@ -512,3 +512,36 @@ def test_the_memory_estimate_counts_the_models_parameters():
     # the state term is 2 x (weights + Adam's two moments) in float32
     assert need["state"] == 2 * 3 * 4 * _setup.parameter_count(config, 65)
     assert need["total"] == sum(v for k, v in need.items() if k != "total")
+
+
+# --------------------------------------------------------------------------- best, init-from
+def test_the_best_checkpoint_by_validation_loss_is_kept(tiny_run):
+    evals = _records(tiny_run, "eval")
+    best = min(evals, key=lambda r: r["val_loss"])
+    manifest = fusedpc.read_checkpoint_manifest(tiny_run / "best.fpc")
+    assert manifest["metadata"]["step"] == best["step"]
+    assert manifest["metadata"]["best_val_loss"] == best["val_loss"]
+    records = _records(tiny_run, "best")
+    assert records[-1] == {"kind": "best", "step": best["step"], "val_loss": best["val_loss"]}
+    losses = [r["val_loss"] for r in records]
+    assert losses == sorted(losses, reverse=True)  # each one better than the last
+
+
+def test_init_from_starts_a_new_run_from_another_runs_weights(train_cli, tiny_run, tmp_path,
+                                                             capsys):
+    out = tmp_path / "finetune"
+    assert train_cli("--init-from", str(tiny_run), "--lr", "0.001", "--steps", "5",
+                     "--out", str(out)) == 0
+    start = _records(out, "eval")[0]
+    assert start["step"] == 0
+    # the same weights and the same validation batches: the other run's last figure exactly
+    assert start["val_loss"] == _records(tiny_run, "eval")[-1]["val_loss"]
+    assert _records(out, "init_from") == [
+        {"kind": "init_from", "step": 0, "run": str(tiny_run), "run_step": 30}
+    ]
+    assert f'init_from = "{tiny_run}"' in (out / "config.toml").read_text()
+    assert [r["step"] for r in _records(out, "train")] == [1, 2, 3, 4, 5]
+    capsys.readouterr()
+    assert train_cli("--init-from", str(tiny_run), "--width", "32", "--steps", "5",
+                     "--out", str(tmp_path / "mismatch")) == 1
+    assert _one_error_line(capsys).startswith("fusedpc: error: --init-from: checkpoint")

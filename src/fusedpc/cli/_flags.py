@@ -37,6 +37,8 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--eval-batches", "validation batches per evaluation"),
     ("--report-every", "steps between logged step reports"),
     ("--save-every", "steps between checkpoints; 0: only at the end"),
+    ("--init-from", "a run folder whose checkpoint a new run starts from (weights and optimiser "
+     "state), e.g. to fine-tune at a lower --lr"),
     ("--max-update-ratio", "skip a step in which a part's update/weight norm ratio exceeds "
      "this; 0: no bound"),
     ("--loss-spike", "skip a step whose loss exceeds this factor (> 1) times the running mean "

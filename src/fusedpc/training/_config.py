@@ -82,6 +82,9 @@ class TrainConfig:
         eval_batches: [training] batches per validation.
         report_every: [training] steps between logged report rows.
         save_every: [training] steps between checkpoints; 0: only at the end.
+        init_from: [training] a run folder whose checkpoint a new run starts from (its
+            weights and optimiser state; the step counters start at 0), e.g. to fine-tune at
+            a lower `lr`; the model and the optimiser must match. `""`: a fresh model.
         max_update_ratio: [training] the spike guard: a step in which any part's update /
             weight norm ratio exceeds this is not committed (`FusedPipeline`'s
             `max_update_ratio`); 0: no bound.
@@ -118,6 +121,7 @@ class TrainConfig:
     eval_batches: int = 8
     report_every: int = 10
     save_every: int = 0
+    init_from: str = ""
     max_update_ratio: float = 0.0
     loss_spike: float = 0.0
     sample_tokens: int = 200
@@ -283,8 +287,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "optimiser": ("optimiser", "lr", "weight_decay", "slot_lr_scales"),
     "training": (
         "steps", "batch", "steps_per_call", "seed", "eval_every", "eval_batches",
-        "report_every", "save_every", "max_update_ratio", "loss_spike", "sample_tokens",
-        "temperature",
+        "report_every", "save_every", "init_from", "max_update_ratio", "loss_spike",
+        "sample_tokens", "temperature",
     ),
     "runtime": ("devices", "distributed"),
 }

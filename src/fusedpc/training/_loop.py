@@ -41,7 +41,7 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
-from fusedpc.execution._checkpoint import read_checkpoint_manifest
+from fusedpc.execution._checkpoint import CheckpointError, read_checkpoint_manifest
 from fusedpc.execution._sharding import make_global_batch
 from fusedpc.training import _plots, data
 from fusedpc.training._config import (
@@ -221,8 +221,22 @@ class _Session:
                     f"trained with: {listed}; restore {CONFIG_NAME}, or pass "
                     "--allow-config-change to continue with the change (it is logged)."
                 )
+        init = None
+        if checkpoint is None and config.init_from:
+            init = Path(config.init_from) / CHECKPOINT_NAME
+            if not init.is_file():
+                raise FileNotFoundError(
+                    f"--init-from: no checkpoint at {str(init)!r}; give the folder of a run "
+                    "that fusedpc train wrote."
+                )
+            init_metadata = read_checkpoint_manifest(init)["metadata"]
+            if not isinstance(init_metadata, dict) or "tokenizer" not in init_metadata:
+                raise ValueError(f"--init-from: {str(init)!r} was not written by fusedpc train.")
+            saved_tokenizer = init_metadata["tokenizer"]  # the vocabulary the weights know
+        else:
+            saved_tokenizer = metadata.get("tokenizer")
         text, self.tokenizer, train_ids, self.val_ids = load_tokens(
-            config, metadata.get("tokenizer"), tokenizer
+            config, saved_tokenizer, tokenizer
         )
         self.text_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()
         if metadata and metadata.get("text_sha256") != self.text_hash:
@@ -239,6 +253,19 @@ class _Session:
             train_ids, config.batch, config.model.max_len, seed=config.seed + jax.process_index()
         )
         self.step, self.elapsed_before = 0, 0.0
+        best = metadata.get("best_val_loss")
+        self.best_val_loss = math.inf if best is None else float(best)
+        self.init_step: int | None = None
+        if init is not None:
+            try:
+                self.pipeline.load(init)
+            except CheckpointError as err:
+                raise ValueError(
+                    f"--init-from: {err} (the new run's model and optimiser must match the "
+                    "run it starts from; its learning rate, schedule and data may change)"
+                ) from None
+            self.init_step = int(init_metadata["step"])
+            self.pipeline.set_state(self.pipeline.state)  # a new run: counters from 0
         if checkpoint is not None:
             self.pipeline.load(checkpoint)
             self.step = int(metadata["step"])
@@ -275,6 +302,9 @@ class _Session:
                 for warning in caught:
                     self.torn_log_message = str(warning.message)
         self.log = RunLog(self.out / LOG_NAME, history, write=self.leader)
+        if init is not None:
+            self.log.emit({"kind": "init_from", "step": 0, "run": config.init_from,
+                           "run_step": self.init_step})
         self.device = {**device_info(), "parameters": parameter_count(
             config, self.tokenizer.vocab_size
         )}
@@ -323,18 +353,27 @@ class _Session:
         self.log.emit({"kind": "eval", "step": self.step, "val_loss": loss,
                        "val_perplexity": perplexity})
         self.say(f"step {self.step}: validation loss {loss:.4f}, perplexity {perplexity:.2f}")
+        if loss < self.best_val_loss:  # the best checkpoint so far, next to the last one
+            self.best_val_loss = loss
+            if self.leader:
+                self.pipeline.save(self.out / BEST_NAME, self.metadata())
+            self.log.emit({"kind": "best", "step": self.step, "val_loss": loss})
 
-    def save(self) -> None:
-        metadata = {
+    def metadata(self) -> dict[str, Any]:
+        """What a checkpoint of this run records besides the state."""
+        return {
             "config": config_settings(self.config),
             "tokenizer": self.tokenizer.to_dict(),
             "data": self.batches.state_dict(),
             "step": self.step,
             "elapsed_s": self.elapsed(),
             "text_sha256": self.text_hash,
+            "best_val_loss": self.best_val_loss if math.isfinite(self.best_val_loss) else None,
         }
+
+    def save(self) -> None:
         if self.leader:
-            self.pipeline.save(self.out / CHECKPOINT_NAME, metadata)
+            self.pipeline.save(self.out / CHECKPOINT_NAME, self.metadata())
         self.log.flush()
 
     def call(self) -> float:
@@ -447,6 +486,7 @@ class _Session:
         return result
 
 
+BEST_NAME = "best.fpc"
 SUMMARY_NAME = "summary.json"
 SAMPLE_NAME = "sample.txt"
 
