@@ -173,7 +173,8 @@ class _Session:
         self.leader = jax.process_index() == 0
         self.processes = jax.process_count()
         self.folder: RunFolder | None = None
-        if out is None and resume_from is None:
+        created = out is None and resume_from is None
+        if created:
             # created exclusively: two runs started in the same second get two folders
             self.out = default_out() if self.leader else Path("runs") / "unused"
         else:
@@ -182,11 +183,13 @@ class _Session:
             resume_from
         )
         if self.leader:  # claimed before anything is read or written; held for the run
-            self.folder = RunFolder(self.out, resuming=here)
+            self.folder = RunFolder(self.out, resuming=here, created=created)
         try:
             self._open(config, resume_from, stream, interactive, tokenizer, allow_config_change)
         except BaseException:
-            self.release()
+            if self.folder is not None:
+                self.folder.abandon()  # a run refused at its start leaves no empty folder
+                self.folder = None
             raise
 
     def release(self) -> None:

@@ -59,8 +59,12 @@ class RunFolder:
             run's files.
     """
 
-    def __init__(self, path: str | os.PathLike, *, resuming: bool = False):
+    def __init__(
+        self, path: str | os.PathLike, *, resuming: bool = False, created: bool = False
+    ):
         self.path = Path(path)
+        # made for this run (here or by `default_out`): removed again if the run never starts
+        self.created = created or not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -119,6 +123,19 @@ class RunFolder:
                 fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
                 self._file.close()
             self._file = None
+
+    def abandon(self) -> None:
+        """Release the folder and, if this run created it and wrote nothing into it, remove
+        it: a run refused at its start leaves no trace."""
+        self.release()
+        if self.created:
+            lock = self.path / LOCK_NAME
+            try:
+                if [p.name for p in self.path.iterdir()] == [LOCK_NAME]:
+                    lock.unlink()
+                    self.path.rmdir()
+            except OSError:
+                pass
 
     def __enter__(self) -> RunFolder:
         return self
