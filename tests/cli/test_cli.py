@@ -545,3 +545,50 @@ def test_init_from_starts_a_new_run_from_another_runs_weights(train_cli, tiny_ru
     assert train_cli("--init-from", str(tiny_run), "--width", "32", "--steps", "5",
                      "--out", str(tmp_path / "mismatch")) == 1
     assert _one_error_line(capsys).startswith("fusedpc: error: --init-from: checkpoint")
+
+
+# --------------------------------------------------------------------------- schedules
+def _expected_rate(t, peak, warmup, decay, final):
+    if t < warmup:
+        return peak * t / warmup
+    progress = min((t - warmup) / (decay - warmup), 1.0)
+    return final * peak + (peak - final * peak) * 0.5 * (1 + np.cos(np.pi * progress))
+
+
+def test_the_logged_rate_follows_warm_up_and_cosine(train_cli, tmp_path):
+    out = tmp_path / "cosine"
+    assert train_cli("--steps", "20", "--lr", "0.01", "--lr-schedule", "cosine",
+                     "--warmup-steps", "5", "--lr-final-fraction", "0.1", "--out", str(out)) == 0
+    rates = [r["lr"] for r in _records(out, "train")]
+    expected = [_expected_rate(t, 0.01, 5, 20, 0.1) for t in range(20)]  # counts 0..19
+    np.testing.assert_allclose(rates, expected, rtol=1e-5, atol=1e-9)
+    assert rates[0] == 0.0 and max(rates) == pytest.approx(0.01)
+    assert "\nlr_decay_steps = 20\n" in (out / "config.toml").read_text()  # recorded
+
+
+def test_the_schedule_reaches_the_optimiser():
+    import jax.numpy as jnp
+
+    config = _config_file.resolve_config(
+        TINY, {"optimiser": "sgd", "lr": 0.1, "lr_schedule": "cosine", "warmup_steps": 3,
+               "lr_decay_steps": 10, "lr_final_fraction": 0.2},
+    )
+    optimiser = _setup.config_optimiser(config)
+    params = {"w": jnp.ones(3)}
+    state = optimiser.init(params)
+    for t in range(12):
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float rates and int counts
+            updates, state = optimiser.update({"w": jnp.ones(3)}, state, params)
+        rate = _expected_rate(t, 0.1, 3, 10, 0.2)
+        np.testing.assert_allclose(np.asarray(updates["w"]), -rate, rtol=1e-5, atol=1e-9)
+
+
+def test_bad_schedule_settings_are_one_line(capsys):
+    for flags, expected in [
+        (["--lr-schedule", "linear"], "lr_schedule must be one of ('constant', 'cosine')"),
+        (["--lr-schedule", "cosine", "--warmup-steps", "50", "--steps", "40"],
+         "lr_decay_steps (40) must exceed warmup_steps (50)"),
+        (["--lr-final-fraction", "2"], "lr_final_fraction must lie in [0, 1]"),
+    ]:
+        assert main(["train", *flags, "--compile-cache", "none"]) == 1
+        assert expected in _one_error_line(capsys)

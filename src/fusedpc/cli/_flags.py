@@ -27,6 +27,10 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--optimiser", "adam, adamw or sgd"),
     ("--lr", "learning rate"),
     ("--weight-decay", "weight decay of adamw"),
+    ("--lr-schedule", "after the warm-up: constant, or cosine decay to --lr-final-fraction"),
+    ("--warmup-steps", "steps of linear warm-up from 0 to --lr; 0: none"),
+    ("--lr-decay-steps", "the step where the cosine ends; 0: the run's --steps"),
+    ("--lr-final-fraction", "the cosine's final rate, as a fraction of --lr"),
     ("--slot-lr-scales", "per-slot rate multipliers, e.g. head=0.5,attention=2 (what "
      "'fusedpc report' suggests)"),
     ("--steps", "total steps to reach"),

@@ -17,7 +17,7 @@ from typing import Any
 
 from fusedpc.parts.learning._local_update import LEARNING_KINDS
 from fusedpc.training import data
-from fusedpc.training._optimisers import OPTIMISERS
+from fusedpc.training._optimisers import LR_SCHEDULES, OPTIMISERS
 from fusedpc.transformer._build import SLOTS, GPTConfig
 
 TOKENIZERS = ("char", "byte")
@@ -71,6 +71,14 @@ class TrainConfig:
         optimiser: [optimiser] `"adam"`, `"adamw"` or `"sgd"` (`make_optimiser`).
         lr: [optimiser] the learning rate.
         weight_decay: [optimiser] the weight decay (adamw).
+        lr_schedule: [optimiser] `"constant"` or `"cosine"`: after the warm-up, the rate
+            stays at `lr` or decays along a cosine to `lr_final_fraction * lr` at step
+            `lr_decay_steps` (`learning_rate_schedule`).
+        warmup_steps: [optimiser] steps of linear warm-up from 0 to `lr`; 0: none.
+        lr_decay_steps: [optimiser] the step at which the cosine ends (warm-up included);
+            0: the run's `steps`, recorded as a number when the run starts, so that a resumed
+            run that goes further keeps the schedule it began with.
+        lr_final_fraction: [optimiser] the cosine's final rate, as a fraction of `lr`.
         slot_lr_scales: [optimiser] per-slot rate multipliers, e.g. `"head=0.5,attention=2"`
             (the multipliers `fusedpc report` suggests); each slot then gets its own
             optimiser.
@@ -111,6 +119,10 @@ class TrainConfig:
     optimiser: str = "adam"
     lr: float = 3e-3
     weight_decay: float = 1e-4
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    lr_decay_steps: int = 0
+    lr_final_fraction: float = 0.1
     slot_lr_scales: str = ""
     # [training]
     steps: int = 1000
@@ -149,7 +161,10 @@ class TrainConfig:
             value = settings[name]
             if not value >= 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        for name in ("seed", "eval_every", "save_every", "sample_tokens", "window"):
+        for name in (
+            "seed", "eval_every", "save_every", "sample_tokens", "window", "warmup_steps",
+            "lr_decay_steps",
+        ):
             value = settings[name]
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}.")
@@ -178,6 +193,20 @@ class TrainConfig:
             raise ValueError(
                 f"validation_fraction must lie strictly between 0 and 1, got "
                 f"{self.validation_fraction!r}."
+            )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}."
+            )
+        if not 0 <= self.lr_final_fraction <= 1:
+            raise ValueError(
+                f"lr_final_fraction must lie in [0, 1], got {self.lr_final_fraction!r}."
+            )
+        decay = self.lr_decay_steps or self.steps
+        if self.lr_schedule == "cosine" and decay <= self.warmup_steps:
+            raise ValueError(
+                f"lr_decay_steps ({decay}) must exceed warmup_steps ({self.warmup_steps}) for "
+                "the cosine schedule."
             )
         if not (self.max_update_ratio >= 0 and math.isfinite(self.max_update_ratio)):
             raise ValueError(
@@ -284,7 +313,10 @@ SETTINGS: dict[str, Any] = _settings_defaults()
 SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("text", "tokenizer", "validation_fraction"),
     "model": MODEL_SETTINGS,
-    "optimiser": ("optimiser", "lr", "weight_decay", "slot_lr_scales"),
+    "optimiser": (
+        "optimiser", "lr", "weight_decay", "lr_schedule", "warmup_steps", "lr_decay_steps",
+        "lr_final_fraction", "slot_lr_scales",
+    ),
     "training": (
         "steps", "batch", "steps_per_call", "seed", "eval_every", "eval_batches",
         "report_every", "save_every", "init_from", "max_update_ratio", "loss_spike",

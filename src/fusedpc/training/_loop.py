@@ -66,6 +66,7 @@ from fusedpc.training._runtime import StopRequest, device_info, join_processes
 from fusedpc.training._setup import (
     build_pipeline,
     call_size,
+    config_schedule,
     load_tokens,
     make_mesh,
     parameter_count,
@@ -232,7 +233,8 @@ class _Session:
                     f"--init-from: no checkpoint at {str(init)!r}; give the folder of a run "
                     "that fusedpc train wrote."
                 )
-            init_metadata = read_checkpoint_manifest(init)["metadata"]
+            init_manifest = read_checkpoint_manifest(init)
+            init_metadata = init_manifest["metadata"]
             if not isinstance(init_metadata, dict) or "tokenizer" not in init_metadata:
                 raise ValueError(f"--init-from: {str(init)!r} was not written by fusedpc train.")
             saved_tokenizer = init_metadata["tokenizer"]  # the vocabulary the weights know
@@ -285,6 +287,12 @@ class _Session:
                     "pass a larger --steps (the total to reach) to continue."
                 )
         self.start_step = self.step
+        # optimiser updates applied so far (committed steps; with --init-from, also those of
+        # the run it starts from, whose optimiser state and count it keeps)
+        self.applied = self.pipeline.steps - self.pipeline.skipped_steps
+        if init is not None:
+            self.applied = int(init_manifest["steps"]) - int(init_manifest["skipped_steps"])
+        self.schedule = config_schedule(config)
         # Validation: the same batches at every evaluation, identical on every process.
         val_iter = data.BatchIterator(
             self.val_ids, config.batch * self.processes, config.model.max_len, seed=config.seed
@@ -340,6 +348,12 @@ class _Session:
             self.say(f"warning: {self.torn_log_message}")
         for name, (trained, now) in changed.items():
             self.say(f"config change (--allow-config-change): {name} {trained!r} -> {now!r}")
+
+    def _rate(self, count: int) -> float:
+        """The base learning rate at optimiser count `count` (slot scales multiply it)."""
+        if callable(self.schedule):
+            return float(self.schedule(count))
+        return float(self.schedule)
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.began
@@ -401,10 +415,14 @@ class _Session:
         now = self.elapsed()
         for i in range(k):
             step = self.step + i + 1
+            # the rate this step used: the schedule at the optimisers' own count, which
+            # advances with committed steps only
+            lr = self._rate(self.applied)
+            self.applied += int(bool(committed[i]))
             self.log.emit({"kind": "train", "step": step, "loss": float(losses[i]),
                            "time": now - dt * (k - 1 - i) / k,
                            "tokens_per_s": k * self.tokens_per_step / dt,
-                           "committed": bool(committed[i])})
+                           "committed": bool(committed[i]), "lr": lr})
             if not committed[i]:
                 skip = self.pipeline.skip_reason(index=i)
                 if skip is not None:
@@ -546,6 +564,9 @@ def train(
         The `TrainResult`: final figures, the live pipeline and the files written.
     """
     config.validate()
+    if config.lr_schedule == "cosine" and config.lr_decay_steps == 0 and resume_from is None:
+        # recorded as a number: a resumed run that goes further keeps this schedule
+        config = dataclasses.replace(config, lr_decay_steps=config.steps)
     if config.distributed:
         join_processes()
     session = _Session(

@@ -15,13 +15,25 @@ from fusedpc.execution._sharding import data_mesh
 from fusedpc.training import data
 from fusedpc.training._config import TrainConfig
 from fusedpc.training._config_file import CHECKPOINT_NAME, resume_config
-from fusedpc.training._optimisers import make_optimiser
+from fusedpc.training._optimisers import learning_rate_schedule, make_optimiser
 from fusedpc.transformer._build import build_gpt
 
 
+def config_schedule(config: TrainConfig, scale: float = 1.0):
+    """The rate schedule of `config` at peak `scale * config.lr` (a float when constant)."""
+    return learning_rate_schedule(
+        config.lr * scale,
+        config.warmup_steps,
+        config.lr_schedule,
+        config.lr_decay_steps or config.steps,
+        config.lr_final_fraction,
+    )
+
+
 def config_optimiser(config: TrainConfig, scale: float = 1.0):
-    """The optax optimiser named by `config.optimiser` at rate `scale * config.lr`."""
-    return make_optimiser(config.optimiser, config.lr * scale, config.weight_decay)
+    """The optax optimiser named by `config.optimiser` at rate `scale * config.lr`, on the
+    config's schedule (warm-up, then constant or cosine)."""
+    return make_optimiser(config.optimiser, config_schedule(config, scale), config.weight_decay)
 
 
 def resolve_tokenizer(
