@@ -589,6 +589,8 @@ def test_bad_schedule_settings_are_one_line(capsys):
         (["--lr-schedule", "cosine", "--warmup-steps", "50", "--steps", "40"],
          "lr_decay_steps (40) must exceed warmup_steps (50)"),
         (["--lr-final-fraction", "2"], "lr_final_fraction must lie in [0, 1]"),
+        (["--weight-decay", "0.1"], "weight_decay=0.1 applies to the adamw optimiser only"),
+        (["--optimiser", "sgd", "--weight-decay", "0"], "applies to the adamw optimiser only"),
     ]:
         assert main(["train", *flags, "--compile-cache", "none"]) == 1
         assert expected in _one_error_line(capsys)

@@ -17,7 +17,7 @@ from typing import Any
 
 from fusedpc.parts.learning._local_update import LEARNING_KINDS
 from fusedpc.training import data
-from fusedpc.training._optimisers import LR_SCHEDULES, OPTIMISERS
+from fusedpc.training._optimisers import DEFAULT_WEIGHT_DECAY, LR_SCHEDULES, OPTIMISERS
 from fusedpc.transformer._build import SLOTS, GPTConfig
 
 TOKENIZERS = ("char", "byte")
@@ -188,6 +188,13 @@ class TrainConfig:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}.")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}.")
+        if self.optimiser != "adamw" and self.weight_decay != DEFAULT_WEIGHT_DECAY:
+            # no silently ignored setting: the decay is adamw's (decoupled from the gradient)
+            raise ValueError(
+                f"weight_decay={self.weight_decay!r} applies to the adamw optimiser only; "
+                f"choose --optimiser adamw, or leave weight_decay at its default with "
+                f"{self.optimiser}."
+            )
         self.lr_scales()
         if not 0 < self.validation_fraction < 1:
             raise ValueError(
