@@ -13,6 +13,7 @@ import io
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -594,3 +595,48 @@ def test_bad_schedule_settings_are_one_line(capsys):
     ]:
         assert main(["train", *flags, "--compile-cache", "none"]) == 1
         assert expected in _one_error_line(capsys)
+
+
+# --------------------------------------------------------------------------- tensorboard
+def _read_events(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files under `folder`, read with tensorboardX's own protobuf
+    definitions (TFRecord framing: length, its CRC, the record, its CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_tensorboard_event_files_mirror_the_log(train_cli, tmp_path):
+    pytest.importorskip("tensorboardX")
+    out = tmp_path / "board"
+    assert train_cli("--steps", "10", "--tensorboard", "--out", str(out)) == 0
+    scalars = _read_events(out / "tensorboard")
+    train = _records(out, "train")
+    assert [s for s, _ in scalars["train/loss"]] == [r["step"] for r in train]
+    np.testing.assert_allclose([v for _, v in scalars["train/loss"]],
+                               [r["loss"] for r in train], rtol=1e-6)
+    evals = _records(out, "eval")
+    np.testing.assert_allclose([v for _, v in scalars["eval/val_loss"]],
+                               [r["val_loss"] for r in evals], rtol=1e-6)
+    report = _records(out, "report")[0]
+    tag = f"report/{report['part']}/update_ratio"
+    assert scalars[tag][0] == (report["step"], pytest.approx(report["update_ratio"], rel=1e-6))
+    assert "train/lr" in scalars
+
+
+def test_tensorboard_without_tensorboardx_is_one_line(monkeypatch, tmp_path):
+    from fusedpc.training._tensorboard import TENSORBOARD_MISSING, TensorBoardSink
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"pip install 'fusedpc\[tensorboard\]'"):
+        TensorBoardSink(tmp_path)
+    assert "tensorboardX" in TENSORBOARD_MISSING

@@ -41,6 +41,8 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--eval-batches", "validation batches per evaluation"),
     ("--report-every", "steps between logged step reports"),
     ("--save-every", "steps between checkpoints; 0: only at the end"),
+    ("--tensorboard", "also write TensorBoard event files into DIR/tensorboard (needs "
+     "tensorboardX: pip install 'fusedpc[tensorboard]')"),
     ("--init-from", "a run folder whose checkpoint a new run starts from (weights and optimiser "
      "state), e.g. to fine-tune at a lower --lr"),
     ("--max-update-ratio", "skip a step in which a part's update/weight norm ratio exceeds "

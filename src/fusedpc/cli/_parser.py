@@ -64,7 +64,10 @@ def build_parser() -> _Parser:
         flags = [flag, old_spelling[flag]] if flag in old_spelling else [flag]
         default_text = str(default).lower() if isinstance(default, bool) else default
         train.add_argument(*flags, dest=field, type=kind, default=None, metavar=metavar,
-                           help=f"{text} (default {default_text})")
+                           help=f"{text} (default {default_text})",
+                           # a bool flag alone means true: --tensorboard, --fused-qkv
+                           nargs="?" if kind is parse_bool else None,
+                           const=True if kind is parse_bool else None)
     train.add_argument("--device", choices=PLATFORMS, default=None,
                        help="the JAX platform to run on (default: JAX's choice, the GPU or "
                        "TPU when one is installed; JAX_PLATFORMS also works)")

@@ -90,6 +90,8 @@ class TrainConfig:
         eval_batches: [training] batches per validation.
         report_every: [training] steps between logged report rows.
         save_every: [training] steps between checkpoints; 0: only at the end.
+        tensorboard: [training] also write TensorBoard event files into `RUN/tensorboard`
+            (needs tensorboardX: `pip install "fusedpc[tensorboard]"`).
         init_from: [training] a run folder whose checkpoint a new run starts from (its
             weights and optimiser state; the step counters start at 0), e.g. to fine-tune at
             a lower `lr`; the model and the optimiser must match. `""`: a fresh model.
@@ -134,6 +136,7 @@ class TrainConfig:
     report_every: int = 10
     save_every: int = 0
     init_from: str = ""
+    tensorboard: bool = False
     max_update_ratio: float = 0.0
     loss_spike: float = 0.0
     sample_tokens: int = 200
@@ -326,7 +329,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     ),
     "training": (
         "steps", "batch", "steps_per_call", "seed", "eval_every", "eval_batches",
-        "report_every", "save_every", "init_from", "max_update_ratio", "loss_spike",
+        "report_every", "save_every", "tensorboard", "init_from", "max_update_ratio",
+        "loss_spike",
         "sample_tokens", "temperature",
     ),
     "runtime": ("devices", "distributed"),

@@ -64,9 +64,11 @@ class RunLog:
     """The run's records: kept in memory (for the plots and the summary) and, on the leading
     process, appended to `log.jsonl` as they come."""
 
-    def __init__(self, path: Path, history: list[dict], write: bool):
+    def __init__(self, path: Path, history: list[dict], write: bool, sinks: tuple = ()):
         self.records = list(history)
         self._file = None
+        # Other writers of the same records (TensorBoard), called as records are emitted.
+        self._sinks = tuple(sinks) if write else ()
         if write:
             write_lines(path, self.records)
             self._file = open(path, "a", encoding="utf-8")
@@ -75,12 +77,19 @@ class RunLog:
         self.records.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
+        for sink in self._sinks:
+            sink(record)
 
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
+        for sink in self._sinks:
+            sink.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = ()

@@ -72,6 +72,7 @@ from fusedpc.training._setup import (
     parameter_count,
 )
 from fusedpc.training._table import format_rows
+from fusedpc.training._tensorboard import TENSORBOARD_DIR, TensorBoardSink
 from fusedpc.transformer._generate import generate
 
 
@@ -312,7 +313,10 @@ class _Session:
                 history = [r for r in records if int(r.get("step", 0)) <= self.step]
                 for warning in caught:
                     self.torn_log_message = str(warning.message)
-        self.log = RunLog(self.out / LOG_NAME, history, write=self.leader)
+        sinks: tuple[TensorBoardSink, ...] = ()
+        if config.tensorboard and self.leader:
+            sinks = (TensorBoardSink(self.out / TENSORBOARD_DIR),)
+        self.log = RunLog(self.out / LOG_NAME, history, write=self.leader, sinks=sinks)
         if init is not None:
             self.log.emit({"kind": "init_from", "step": 0, "run": config.init_from,
                            "run_step": self.init_step})
