@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import time
 
 import numpy as np
 import pytest
@@ -67,14 +68,36 @@ def test_progress_prints_plain_lines_without_a_terminal():
 
 def test_progress_rewrites_one_line_on_a_terminal():
     stream = io.StringIO()
-    bar = _progress.Progress(50, 10, stream=stream, interactive=True)
+    bar = _progress.Progress(50, 10, stream=stream, interactive=True, tick_s=0)
     bar.update(20, 1.0, tokens=10)
     bar.update(30, 0.9, tokens=10)
     bar.message("validation loss 1.0")
     text = stream.getvalue()
-    assert text.count("\r") == 2
-    assert text.endswith("\nvalidation loss 1.0\n")
-    assert "[############------------]" in text.split("\r")[-1]  # 20 of the 40 steps done
+    # two updates, then the bar drawn again below the message (not lost above it)
+    assert text.count("\r") == 3
+    before, after = text.rsplit("\nvalidation loss 1.0\n", 1)
+    assert after.startswith("\r[############------------]")  # 20 of the 40 steps done
+    assert "[############------------]" in before.split("\r")[-1]
+    bar.close()
+    assert stream.getvalue().endswith("\n")  # later output starts on a line of its own
+
+
+def test_progress_ticks_on_a_terminal_while_a_call_runs():
+    stream = io.StringIO()
+    bar = _progress.Progress(50, stream=stream, interactive=True, tick_s=0.05)
+    bar.update(5, 1.0, tokens=10)
+    time.sleep(0.5)  # a long compiled call: no update, the line is redrawn anyway
+    bar.close()
+    assert stream.getvalue().count("\r") >= 4
+
+
+def test_progress_under_a_pipe_prints_at_most_every_n_steps():
+    stream = io.StringIO()
+    bar = _progress.Progress(100, stream=stream, every_s=0, every_steps=25)
+    for step in range(5, 101, 5):
+        bar.update(step, 1.0, tokens=10)
+    steps = [int(line.split("step ")[1].split("/")[0]) for line in stream.getvalue().splitlines()]
+    assert steps == [5, 30, 55, 80, 100]  # the first, then every 25 steps or more, the last
 
 
 def test_format_duration():

@@ -529,6 +529,20 @@ def test_learning_setting_errors():
 
 
 # --------------------------------------------------------------------------- batches
+@pytest.mark.parametrize(
+    "optimiser",
+    [optax.chain(optax.adam(1e-3), optax.contrib.reduce_on_plateau()), optax.lbfgs()],
+    ids=["reduce_on_plateau", "lbfgs"],
+)
+def test_optimisers_that_need_the_loss_value_are_refused_clearly(optimiser):
+    network = PCNetwork([3, 4, 2], "tanh", key=jax.random.key(0))
+    pipeline = FusedPipeline(LearningNetwork(network, optimiser))
+    x, y = batch(0, 5, 3, 2)
+    with pytest.raises(TypeError, match=r"optimiser: this optax optimiser needs the loss value"):
+        pipeline.step(x, y)
+    assert pipeline.steps == 0  # refused at trace time, before anything was donated
+
+
 def test_padding_rows_of_zero_error_change_nothing():
     """Rows whose target is the model's own prediction carry zero error; under "active"
     normalisation appending them leaves the update unchanged. (The real rows' input errors

@@ -131,5 +131,16 @@ def optax_step(optimiser, params, gradients, opt_state):
     which a caller's strict promotion setting would otherwise reject.
     """
     with jax.numpy_dtype_promotion("standard"):
-        updates, opt_state = optimiser.update(gradients, opt_state, params)
+        try:
+            updates, opt_state = optimiser.update(gradients, opt_state, params)
+        except TypeError as err:
+            if "keyword-only argument" not in str(err) or "'value'" not in str(err):
+                raise
+            raise TypeError(
+                "optimiser: this optax optimiser needs the loss value at each update "
+                f"({err}); optax.contrib.reduce_on_plateau and optax.lbfgs are such. A "
+                "part's local learning step has no loss of its own to pass, so they cannot "
+                "run here: use a schedule (fusedpc.training.learning_rate_schedule) instead "
+                "of reduce_on_plateau, and a first-order optimiser instead of lbfgs."
+            ) from None
     return optax.apply_updates(params, updates), opt_state
