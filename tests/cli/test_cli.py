@@ -12,6 +12,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -640,3 +641,43 @@ def test_tensorboard_without_tensorboardx_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match=r"pip install 'fusedpc\[tensorboard\]'"):
         TensorBoardSink(tmp_path)
     assert "tensorboardX" in TENSORBOARD_MISSING
+
+
+# --------------------------------------------------------------------------- report -> flag
+def _slot(part):
+    if part.startswith("blocks["):
+        inner = part.split("].")[1].split(".")[0]
+        return {"n1": "norm", "n2": "norm"}.get(inner, inner)
+    return {"norm_f": "norm"}.get(part, part)
+
+
+def test_reports_pasted_flag_reproduces_its_multipliers(tiny_run, tmp_path, capsys):
+    assert main(["report", str(tiny_run), "--out", str(tmp_path), "--target", "1e-3"]) == 0
+    out = capsys.readouterr().out
+    flag = out.split("\n  --slot-lr-scales ", 1)[1].split()[0]
+    assert f'slot_lr_scales = "{flag}"' in out
+    printed = {k: float(v) for k, v in (item.split("=") for item in flag.split(","))}
+    # each slot: the target over the median of its parts' logged ratios, pooled
+    pooled: dict[str, list[float]] = {}
+    for r in _records(tiny_run, "report"):
+        pooled.setdefault(_slot(r["part"]), []).append(r["update_ratio"])
+    expected = {slot: 1e-3 / float(np.median(v)) for slot, v in pooled.items()}
+    assert set(printed) == set(expected)
+    for slot, value in printed.items():
+        assert value == pytest.approx(expected[slot], rel=5e-3)  # printed to 3 digits
+    # pasted into a run's settings, it is exactly the run's per-slot scales
+    config = _config_file.resolve_config(TINY, {"slot_lr_scales": flag})
+    assert config.lr_scales() == printed
+    # a report of a run that used those scales compounds them: the flag is relative to --lr
+    run = tmp_path / "calibrated"
+    run.mkdir()
+    shutil.copy(tiny_run / "log.jsonl", run / "log.jsonl")
+    (run / "config.toml").write_text(_config_file.config_to_toml(config))
+    capsys.readouterr()
+    assert main(["report", str(run), "--out", str(tmp_path / "again")]) == 0
+    again = capsys.readouterr().out
+    assert "(the run's own --slot-lr-scales included)" in again
+    pasted = again.split("\n  --slot-lr-scales ", 1)[1].split()[0]
+    second = {k: float(v) for k, v in (item.split("=") for item in pasted.split(","))}
+    for slot, value in second.items():
+        assert value == pytest.approx(printed[slot] * expected[slot], rel=1e-2)

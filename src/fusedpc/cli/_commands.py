@@ -78,6 +78,25 @@ def report_command(args: argparse.Namespace) -> int:
     else:
         print(_plots.PLOTS_MISSING)
     print(_calibrate.format_table(table, target))
+    # the same figures in the unit a run takes (one multiplier per slot), ready to paste
+    current: dict[str, float] = {}
+    config_path = os.path.join(os.path.dirname(os.path.abspath(path)), "config.toml")
+    if os.path.isfile(config_path):
+        from fusedpc.training import _config_file
+
+        current = _config_file.resolve_config(config_path).lr_scales()
+    slots = _calibrate.calibrate_slots(records, target, args.fraction, current)
+    flag = _calibrate.slot_lr_scales_flag(slots)
+    if slots:
+        print()
+        print(_calibrate.format_table(slots, target).replace(
+            "calibration: median update/weight ratio per step",
+            "per slot (every part of a slot shares its optimiser): median update/weight ratio",
+        ))
+    if flag:
+        scaled = " (the run's own --slot-lr-scales included)" if current else ""
+        print(f"\nto apply them{scaled}, train with:\n  --slot-lr-scales {flag}")
+        print(f'or in the config file:\n  [optimiser]\n  slot_lr_scales = "{flag}"')
     return 0
 
 

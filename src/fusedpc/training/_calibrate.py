@@ -31,7 +31,16 @@ import numpy as np
 
 from fusedpc.training._table import format_rows
 
-__all__ = ["DEFAULT_TARGET", "PartCalibration", "calibrate", "format_table", "report_rows"]
+__all__ = [
+    "DEFAULT_TARGET",
+    "PartCalibration",
+    "calibrate",
+    "calibrate_slots",
+    "format_table",
+    "report_rows",
+    "slot_lr_scales_flag",
+    "slot_of",
+]
 
 DEFAULT_TARGET = 1e-3
 """The default target update/weight ratio per step."""
@@ -109,6 +118,68 @@ def calibrate(
         multiplier, reason = _reason(median, target)
         table.append(PartCalibration(part, sizes[part], len(values), median, multiplier, reason))
     return table
+
+
+def slot_of(part: str) -> str | None:
+    """The GPT slot (`fusedpc.transformer.SLOTS`) a part path belongs to, or None:
+    `"blocks[1].attention.wq"` -> `"attention"`, `"blocks[0].n2"` and `"norm_f"` -> `"norm"`."""
+    if part in ("token", "position", "head"):
+        return part
+    if part == "norm_f":
+        return "norm"
+    if part.startswith("blocks[") and "]." in part:
+        first = part.split("].", 1)[1].split(".", 1)[0]
+        if first in ("attention", "feed_forward"):
+            return first
+        if first in ("n1", "n2"):
+            return "norm"
+    return None
+
+
+def calibrate_slots(
+    rows: Iterable[dict[str, Any]],
+    target: float = DEFAULT_TARGET,
+    fraction: float = 1.0,
+    current: dict[str, float] | None = None,
+) -> list[PartCalibration]:
+    """The calibration per GPT slot, in the unit `--slot-lr-scales` takes.
+
+    Every part of a slot shares the slot's optimiser (scanned blocks share one stacked
+    state, so a rate per block is not a setting a run has), so a slot's multiplier is read
+    off the median of all its parts' ratios together (each part's last `fraction` of steps).
+    `current` (a run's own `slot_lr_scales`) is compounded in: the result is the scale to
+    set, relative to `lr`, not a change of the scale the run used. Parts outside every slot
+    are left out."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must lie in (0, 1], got {fraction!r}.")
+    per_part: dict[str, list[float]] = {}
+    for row in report_rows(rows):
+        value = row.get("update_ratio")
+        per_part.setdefault(row["part"], []).append(
+            float("nan") if value is None else float(value)
+        )
+    pooled: dict[str, list[float]] = {}
+    for part, values in per_part.items():
+        slot = slot_of(part)
+        if slot is not None:
+            kept = values[len(values) - max(1, math.ceil(len(values) * fraction)):]
+            pooled.setdefault(slot, []).extend(kept)
+    table = []
+    for slot, values in pooled.items():
+        finite = np.asarray([v for v in values if math.isfinite(v)], np.float64)
+        median = float(np.median(finite)) if finite.size else float("nan")
+        multiplier, reason = _reason(median, target)
+        if multiplier is not None:
+            multiplier *= (current or {}).get(slot, 1.0)
+        table.append(PartCalibration(slot, (), len(values), median, multiplier,
+                                     reason.replace("this part's", "this slot's")))
+    return table
+
+
+def slot_lr_scales_flag(table: list[PartCalibration]) -> str:
+    """The `--slot-lr-scales` value of a slot calibration (3 significant digits), slots
+    without a multiplier left out: `"token=0.794,attention=0.0884,head=0.0164"`."""
+    return ",".join(f"{c.part}={c.multiplier:.3g}" for c in table if c.multiplier is not None)
 
 
 def format_table(table: list[PartCalibration], target: float = DEFAULT_TARGET) -> str:
