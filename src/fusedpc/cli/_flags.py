@@ -27,6 +27,7 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--optimiser", "adam, adamw or sgd"),
     ("--lr", "learning rate"),
     ("--weight-decay", "weight decay of adamw"),
+    ("--clip", "global gradient-norm clipping over all parts (clip_by_global_norm); 0: none"),
     ("--lr-schedule", "after the warm-up: constant, or cosine decay to --lr-final-fraction"),
     ("--warmup-steps", "steps of linear warm-up from 0 to --lr; 0: none"),
     ("--lr-decay-steps", "the step where the cosine ends; 0: the run's --steps"),

@@ -64,6 +64,8 @@ class FusedPipeline:
             learning part's update / weight norm ratio exceeds this bound. None: no bound.
         loss_spike: refuse a step whose loss exceeds this factor (> 1) times the running
             mean of committed losses, from the 10th committed step on. None: no guard.
+        clip_global_norm: global gradient-norm clipping over every part that learns through
+            optax, as `optax.clip_by_global_norm` in a backprop step (`fusedpc.make_step`).
         mesh: a `jax.sharding.Mesh` with a `"data"` axis (e.g. `fusedpc.data_mesh()`): batches
             are sharded over it and the state replicated, so every row mean becomes a
             cross-device reduction inserted by the compiler. Its axes are used as `Auto`.
@@ -89,6 +91,7 @@ class FusedPipeline:
         nonfinite: str = "skip",
         max_update_ratio: float | None = None,
         loss_spike: float | None = None,
+        clip_global_norm: float | None = None,
         mesh: jax.sharding.Mesh | None = None,
         state_sharding: _sharding.StateSharding | None = None,
         check_device_ids: bool = False,
@@ -102,6 +105,7 @@ class FusedPipeline:
             nonfinite=nonfinite,
             max_update_ratio=max_update_ratio,
             loss_spike=loss_spike,
+            clip_global_norm=clip_global_norm,
         )
         self.max_update_ratio = self.program.max_update_ratio
         self.loss_spike = self.program.loss_spike

@@ -35,6 +35,7 @@ import numpy as np
 
 from fusedpc.core import losses as _losses
 from fusedpc.core._checks import IdRangeCheck, check_part, id_range_check
+from fusedpc.core._gradients import clip_gradients, collect_gradient_squares
 from fusedpc.core._metrics import (
     AbstractMetrics,
     Named,
@@ -300,6 +301,7 @@ class StepProgram:
             `"skip"`; raising is the host wrapper's business).
         max_update_ratio: the spike guard's bound on any part's update / weight norm, or None.
         loss_spike: the loss guard's factor over the running mean loss, or None.
+        clip_global_norm: the bound of global gradient-norm clipping, or None.
     """
 
     def __init__(
@@ -311,8 +313,10 @@ class StepProgram:
         nonfinite: str,
         max_update_ratio: float | None = None,
         loss_spike: float | None = None,
+        clip_global_norm: float | None = None,
     ):
         self.tree = tree
+        self.clip_global_norm = clip_global_norm
         self.core = core
         self.error_fn = error_fn
         self.error_normalisation = error_normalisation
@@ -326,6 +330,7 @@ class StepProgram:
             for name, value in (
                 ("max_update_ratio", self.max_update_ratio),
                 ("loss_spike", self.loss_spike),
+                ("clip_global_norm", self.clip_global_norm),
             )
             if value is not None
         )
@@ -392,7 +397,7 @@ class StepProgram:
             error, weights = apply_row_mask(error, mask)
         elif self.error_normalisation == "active":
             error = normalise_active(error)
-        input_error, new_state, part_metrics = self.core.backward(state, cache, error)
+        input_error, new_state, part_metrics = self._backward(state, cache, error)
         loss = self._loss(y, target, weights)
 
         ids_ok = jnp.stack([c.ok for c in checks]).all() if checks else jnp.array(True)
@@ -436,6 +441,21 @@ class StepProgram:
             loss_mean=carry.counters.loss_mean,
         )
         return StepCarry(new_state, counters), StepOutput(y, input_error, metrics)
+
+    def _backward(self, state: PyTree, cache: PyTree, error: jax.Array):
+        """The backward walk; with `clip_global_norm`, twice: once to read every optax
+        part's gradient norm (its updates discarded, so the compiler drops them), then with
+        every gradient clipped by the global norm, as `optax.clip_by_global_norm` clips the
+        whole gradient tree of a backprop step. Input errors are the same either way: they
+        use the old weights."""
+        if self.clip_global_norm is None:
+            return self.core.backward(state, cache, error)
+        with collect_gradient_squares() as squares:
+            self.core.backward(state, cache, error)
+        total = sum(squares, jnp.zeros((), jnp.float32))
+        norm = jnp.sqrt(total)
+        with clip_gradients(norm, self.clip_global_norm):
+            return self.core.backward(state, cache, error)
 
     @staticmethod
     def _count(counters: Counters, code: jax.Array, loss: jax.Array) -> Counters:
@@ -501,6 +521,7 @@ def make_step(
     nonfinite: str = "skip",
     max_update_ratio: float | None = None,
     loss_spike: float | None = None,
+    clip_global_norm: float | None = None,
 ) -> StepProgram:
     """Compile a part tree into its pure training step.
 
@@ -520,6 +541,13 @@ def make_step(
             ratio (the report's `update_ratio`) exceeds this bound (`None`: no bound).
         loss_spike: refuse a step whose loss exceeds this factor times the running mean of
             committed losses (`None`: no guard); it guards from the 10th committed step on.
+        clip_global_norm: clip every optax-driven part's gradient by the **global** norm over
+            all of them, $g \\leftarrow g \\cdot$ `c` $/ \\max(\\lVert g \\rVert, $ `c` $)$,
+            before its optimiser, exactly as `optax.clip_by_global_norm(c)` chained before
+            the optimiser of a backprop step (`None`: no clipping). Parts that do not learn
+            through optax (`synaptic_uncertainty`, parts of your own) are neither counted nor
+            clipped. The backward walk is traced twice; the compiler shares what the two have
+            in common except inside scanned blocks.
 
     Returns:
         A `StepProgram` with pure `init(key)`, `step(carry, x, target, mask)`,
@@ -548,6 +576,7 @@ def make_step(
         nonfinite,
         _check_bound("max_update_ratio", max_update_ratio, 0.0),
         loss_spike,
+        _check_bound("clip_global_norm", clip_global_norm, 0.0),
     )
 
 

@@ -13,6 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedpc.core._checks import check_part
+from fusedpc.core._gradients import (
+    add_gradient_square,
+    collect_gradient_squares,
+    collecting_gradient_squares,
+)
 from fusedpc.core._metrics import Stacked
 from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
 
@@ -243,14 +248,24 @@ class Repeat(AbstractPart):
                     )
                 return error, RepeatState(blocks=_stack(new_states)), Stacked(_stack(metrics))
 
+            collecting = collecting_gradient_squares()
+
             def step(e, block):
                 block_state, block_cache = block
-                e, new_state, block_metrics = cores[0].backward(block_state, block_cache, e)
-                return e, (new_state, block_metrics)
+                if not collecting:
+                    e, new_state, block_metrics = cores[0].backward(block_state, block_cache, e)
+                    return e, (new_state, block_metrics, jnp.zeros((), jnp.float32))
+                # a block's gradient norms are traced in the scan body: summed there and
+                # reported outside the scan (fusedpc.core._gradients)
+                with collect_gradient_squares() as squares:
+                    e, new_state, block_metrics = cores[0].backward(block_state, block_cache, e)
+                return e, (new_state, block_metrics, sum(squares, jnp.zeros((), jnp.float32)))
 
-            error, (new_states, metrics) = jax.lax.scan(
+            error, (new_states, metrics, squares) = jax.lax.scan(
                 step, error, (state.blocks, cache.blocks), reverse=True
             )
+            if collecting:
+                add_gradient_square(jnp.sum(squares))
             return error, RepeatState(blocks=new_states), Stacked(metrics)
 
         def write_back(state: RepeatState) -> Repeat:

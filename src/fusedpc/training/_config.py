@@ -71,6 +71,10 @@ class TrainConfig:
         optimiser: [optimiser] `"adam"`, `"adamw"` or `"sgd"` (`make_optimiser`).
         lr: [optimiser] the learning rate.
         weight_decay: [optimiser] the weight decay (adamw).
+        clip: [optimiser] global gradient-norm clipping: every part's gradient scaled by
+            `clip / max(global norm, clip)` over all parts together (`FusedPipeline`'s
+            `clip_global_norm`, exactly `optax.clip_by_global_norm` of a backprop step);
+            0: none.
         lr_schedule: [optimiser] `"constant"` or `"cosine"`: after the warm-up, the rate
             stays at `lr` or decays along a cosine to `lr_final_fraction * lr` at step
             `lr_decay_steps` (`learning_rate_schedule`).
@@ -121,6 +125,7 @@ class TrainConfig:
     optimiser: str = "adam"
     lr: float = 3e-3
     weight_decay: float = 1e-4
+    clip: float = 0.0
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     lr_decay_steps: int = 0
@@ -203,6 +208,13 @@ class TrainConfig:
             raise ValueError(
                 f"validation_fraction must lie strictly between 0 and 1, got "
                 f"{self.validation_fraction!r}."
+            )
+        if not (self.clip >= 0 and math.isfinite(self.clip)):
+            raise ValueError(f"clip must be a finite number >= 0 (0: none), got {self.clip!r}.")
+        if self.clip and self.model.learning_kind == SYNAPTIC:
+            raise ValueError(
+                "clip: global gradient clipping applies to parts that learn through an optax "
+                "optimiser; learning_kind 'synaptic_uncertainty' has none. Use clip = 0."
             )
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(
@@ -324,7 +336,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("text", "tokenizer", "validation_fraction"),
     "model": MODEL_SETTINGS,
     "optimiser": (
-        "optimiser", "lr", "weight_decay", "lr_schedule", "warmup_steps", "lr_decay_steps",
+        "optimiser", "lr", "weight_decay", "clip", "lr_schedule", "warmup_steps",
+        "lr_decay_steps",
         "lr_final_fraction", "slot_lr_scales",
     ),
     "training": (

@@ -156,6 +156,7 @@ def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
         mesh=mesh,
         max_update_ratio=config.max_update_ratio or None,
         loss_spike=config.loss_spike or None,
+        clip_global_norm=config.clip or None,
     )
 
 

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fusedpc.core._gradients import hook_gradients
+
 LEARNING_KINDS = ("precision_weighted", "standard", "synaptic_uncertainty")
 SYNAPTIC_DEFAULTS = {
     "window": None,
@@ -130,6 +132,7 @@ def optax_step(optimiser, params, gradients, opt_state):
     Runs under standard dtype promotion: optax mixes Python floats with integer step counts,
     which a caller's strict promotion setting would otherwise reject.
     """
+    gradients = hook_gradients(gradients)  # global clipping, when the executor asks for it
     with jax.numpy_dtype_promotion("standard"):
         try:
             updates, opt_state = optimiser.update(gradients, opt_state, params)
