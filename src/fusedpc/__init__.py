@@ -73,7 +73,7 @@ from fusedpc.transformer import generate as generate
 from fusedpc.transformer import hybrid_from_gpt as hybrid_from_gpt
 from fusedpc.transformer import to_reference as to_reference
 
-# Names that moved in 0.2: they keep working for one release, with a DeprecationWarning.
+# Names that moved in 0.2: they keep working through 0.3, with a DeprecationWarning.
 _MOVED = {
     # module attributes: old name -> (new module, attribute or None for the module itself)
     "errors": ("fusedpc.losses", None),
