@@ -579,6 +579,7 @@ def train(
     try:
         return _train_session(session, config, callback)
     finally:
+        session.progress.close()  # never a progress line left redrawing after an error
         session.release()
 
 
