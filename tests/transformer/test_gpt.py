@@ -311,3 +311,30 @@ def test_generate_checks_every_argument_by_name(key):
     np.testing.assert_array_equal(np.asarray(out[:, : long.shape[1]]), long)
     tail = fusedpc.generate(pipeline, long[:, -TINY["max_len"]:], 2, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(out[:, -2:]), np.asarray(tail[:, -2:]))
+
+
+def _per_block_optimisers(gpt, shared):
+    from fusedpc import transplant
+
+    one = optax.adam(1e-3)
+
+    def ff(i):
+        optimiser = one if shared else optax.adam(1e-3)  # the natural loop: one per block
+        return transplant.from_feedforward(gpt.blocks[i].ff.fc1, gpt.blocks[i].ff.fc2,
+                                           optimiser=optimiser)
+
+    return ff
+
+
+def test_blocks_that_cannot_be_scanned_are_said_with_the_field_that_differs():
+    gpt = GPT(11, 16, 2, 6, 32, 8, key=jax.random.key(0))  # 6 blocks: scanned by default
+    with pytest.warns(UserWarning, match=r"the 6 blocks run as an unscanned chain") as caught:
+        part = fusedpc.hybrid_from_gpt(gpt, ff_parts=_per_block_optimisers(gpt, False))
+    assert isinstance(part.blocks, fusedpc.Blocks)
+    message = str(caught[0].message)
+    assert "first difference at .feed_forward.optimiser" in message
+    assert "Pass one optimiser object" in message
+    with pytest.raises(ValueError, match=r"hybrid_from_gpt\(scan=True\): the blocks cannot"):
+        fusedpc.hybrid_from_gpt(gpt, ff_parts=_per_block_optimisers(gpt, False), scan=True)
+    shared = fusedpc.hybrid_from_gpt(gpt, ff_parts=_per_block_optimisers(gpt, True))
+    assert isinstance(shared.blocks, fusedpc.Repeat) and not shared.blocks.unroll

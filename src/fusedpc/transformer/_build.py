@@ -9,6 +9,7 @@ and asks for learning parts by slot name.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -147,8 +148,23 @@ def hybrid_from_gpt(
     if form != "tuple":
         try:
             stacked = Repeat(blocks, unroll=form == "unrolled")
-        except (TypeError, ValueError):
-            pass  # blocks differ: a `Blocks` chain runs them one after another
+        except (TypeError, ValueError) as err:
+            # blocks differ: a `Blocks` chain runs them one after another, and its program
+            # (and compile time) grows with depth. Asked to scan: an error; scanning by
+            # default: said, with what differs and the fix.
+            if scan is True:
+                raise ValueError(
+                    f"hybrid_from_gpt(scan=True): the blocks cannot be scanned. {err}"
+                ) from None
+            if form == "scanned":
+                warnings.warn(
+                    f"hybrid_from_gpt: the {n_blocks} blocks run as an unscanned chain, whose "
+                    f"compile time grows with depth, because they differ. {err} Pass one "
+                    "optimiser object (or one part factory's shared settings) to every "
+                    "block, or scan=False to ask for the chain.",
+                    UserWarning,
+                    stacklevel=2,
+                )
     return GPTPart(
         token=token_part or frozen.embedding(gpt.tok_emb),
         position=position_part or frozen.embedding(gpt.pos_emb),
