@@ -107,6 +107,21 @@ def shapes_and_dtypes(tree: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+def host_leaves(tree: PyTree) -> list[np.ndarray]:
+    """A host copy of every leaf (a real copy: the device buffers are donated next)."""
+    return [np.array(leaf, copy=True) for leaf in jax.tree_util.tree_leaves(tree)]
+
+
+def assert_bitwise_equal(kept: list[np.ndarray], tree: PyTree) -> None:
+    """Every leaf of `tree` equals its host copy in `kept`: dtype, shape and bits."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    assert len(kept) == len(leaves)
+    for old, new in zip(kept, leaves, strict=True):
+        new = np.asarray(new)
+        assert old.dtype == new.dtype and old.shape == new.shape
+        assert np.array_equal(old, new), "the state changed"
+
+
 def normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
     """Standard normal float32 array from an integer seed."""
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32)

@@ -15,24 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import linear_params, normal
+from helpers import assert_bitwise_equal, host_leaves, linear_params, normal
 
 import fusedpc
 from fusedpc import frozen
 
 SANE_RATE = 0.05
 HUGE_RATE = 1e38
-
-
-def _host(tree) -> list[np.ndarray]:
-    return [np.array(leaf, copy=True) for leaf in jax.tree_util.tree_leaves(tree)]
-
-
-def _assert_bitwise_equal(kept: list[np.ndarray], tree) -> None:
-    leaves = jax.tree_util.tree_leaves(tree)
-    assert len(kept) == len(leaves)
-    for old, new in zip(kept, leaves, strict=True):
-        assert np.array_equal(old, np.asarray(new)), "the state changed"
 
 
 def _set_rates(pipeline: fusedpc.FusedPipeline, rate_of) -> None:
@@ -100,9 +89,9 @@ def test_an_overflowing_rate_on_any_gpt_slot_is_refused_and_the_run_recovers():
     for n, (slot, marks) in enumerate(GPT_SLOTS.items(), start=1):
         marks = (marks,) if isinstance(marks, str) else marks
         _set_rates(pipeline, lambda key, m=marks: HUGE_RATE if any(s in key for s in m) else None)
-        kept = _host(pipeline.state)
+        kept = host_leaves(pipeline.state)
         pipeline.step(x, t)
-        _assert_bitwise_equal(kept, pipeline.state)  # the weights never held ~1e37
+        assert_bitwise_equal(kept, pipeline.state)  # the weights never held ~1e37
         part = _agree(pipeline, "non-finite")
         assert pipeline.skip_counts["non-finite"] == n, slot
         names = {"norm": ("n1", "n2", "norm_f")}.get(slot, (slot,))
@@ -145,9 +134,9 @@ def test_unrepresentable_steps_are_refused_and_the_next_sane_step_trains(case):
         bad_x, bad_t = (x * 1e15, t) if case == "inputs_1e15" else (x, t * 1e20)
     pipeline.step(x, t)
     first_loss = float(np.sum((np.asarray(pipeline.predict(x)) - np.asarray(t)) ** 2))
-    kept = _host(pipeline.state)
+    kept = host_leaves(pipeline.state)
     pipeline.step(bad_x, bad_t)
-    _assert_bitwise_equal(kept, pipeline.state)
+    assert_bitwise_equal(kept, pipeline.state)
     part = _agree(pipeline, "non-finite")
     assert part.startswith("parts[1]") or part == "<root>", part
     assert pipeline.skip_counts == {
@@ -165,9 +154,9 @@ def test_a_norm_that_overflows_counts_although_every_entry_is_finite():
     pipeline = fusedpc.FusedPipeline(_network_tree(optax.sgd(1.0)), _no_loss_error)
     x, t = normal(0, (6, 4)), normal(1, (6, 3))
     _, _ = pipeline.step(x, t)
-    kept = _host(pipeline.state)
+    kept = host_leaves(pipeline.state)
     pipeline.step(x, t * 3e19)
-    _assert_bitwise_equal(kept, pipeline.state)
+    assert_bitwise_equal(kept, pipeline.state)
     assert _agree(pipeline, "non-finite")
 
 
@@ -192,9 +181,9 @@ def test_update_ratio_guard_refuses_a_spike_and_names_the_part():
     assert pipeline.skip_reason() is None
     assert pipeline.report()[0]["update_ratio"] < 0.5
     _set_rates(pipeline, lambda key: 1e6)  # finite weights of ~1e6: a spike, not an overflow
-    kept = _host(pipeline.state)
+    kept = host_leaves(pipeline.state)
     pipeline.step(x, t)
-    _assert_bitwise_equal(kept, pipeline.state)
+    assert_bitwise_equal(kept, pipeline.state)
     assert _agree(pipeline, "update ratio") == "parts[1]"
     assert pipeline.report()[0]["update_ratio"] > 0.5 and pipeline.report()[0]["finite"]
     assert "above max_update_ratio 0.5" in pipeline.skip_reason().message
@@ -211,9 +200,9 @@ def test_loss_spike_guard_refuses_a_spike_after_its_warm_up():
         pipeline.step(x, t)
     mean = pipeline.loss_mean
     assert mean is not None and np.isfinite(mean)
-    kept = _host(pipeline.state)
+    kept = host_leaves(pipeline.state)
     pipeline.step(x, spike)
-    _assert_bitwise_equal(kept, pipeline.state)
+    assert_bitwise_equal(kept, pipeline.state)
     assert _agree(pipeline, "loss spike") == ""
     assert pipeline.skip_reason().part is None
     assert "exceeded loss_spike 3.0 times the running mean" in pipeline.skip_reason().message
@@ -276,9 +265,9 @@ def test_device_ids_out_of_range_never_reach_the_state():
     pipeline.step(x, t)
     for bad, shown in ((VOCAB, VOCAB), (-1, -1)):
         ids = jnp.asarray(x).at[1, 2].set(bad)  # on the device: no host check
-        kept = _host(pipeline.state)
+        kept = host_leaves(pipeline.state)
         pipeline.step(ids, t)
-        _assert_bitwise_equal(kept, pipeline.state)
+        assert_bitwise_equal(kept, pipeline.state)
         skip = pipeline.skip_reason()
         assert (skip.reason, skip.part) == ("token id out of range", "token")
         assert pipeline.nonfinite_part() is None

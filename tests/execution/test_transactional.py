@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import linear_params, normal
+from helpers import assert_bitwise_equal, host_leaves, linear_params, normal
 
 import fusedpc
 from fusedpc import frozen
@@ -57,22 +57,8 @@ def _batch(seed: int = 0) -> tuple[jax.Array, jax.Array]:
     return normal(seed, (6, 4)), 10.0 * normal(seed + 1, (6, 3))
 
 
-def _host(tree) -> list[np.ndarray]:
-    """A host copy of every leaf (a real copy: the device buffers are donated next)."""
-    return [np.array(leaf, copy=True) for leaf in jax.tree_util.tree_leaves(tree)]
-
-
-def _assert_bitwise_equal(kept: list[np.ndarray], tree) -> None:
-    leaves = jax.tree_util.tree_leaves(tree)
-    assert len(kept) == len(leaves)
-    for old, new in zip(kept, leaves, strict=True):
-        new = np.asarray(new)
-        assert old.dtype == new.dtype and old.shape == new.shape
-        assert np.array_equal(old, new), "the state changed"
-
-
 def _learning_leaves(pipeline: fusedpc.FusedPipeline) -> list[np.ndarray]:
-    return _host(pipeline.state.parts[2].params)
+    return host_leaves(pipeline.state.parts[2].params)
 
 
 # --------------------------------------------------------------------------- "skip"
@@ -83,7 +69,7 @@ def test_overflowing_rate_is_not_committed_and_training_continues():
     assert bool(pipeline.last_metrics.committed) and pipeline.skipped_steps == 0
 
     _set_rate(pipeline, OVERFLOW_RATE)
-    kept = _host(pipeline.state)
+    kept = host_leaves(pipeline.state)
     old_buffers = jax.tree_util.tree_leaves(pipeline.state)
     structure = jax.tree_util.tree_structure(pipeline.state)
     pipeline.step(x, target)
@@ -94,7 +80,7 @@ def test_overflowing_rate_is_not_committed_and_training_continues():
     # choice between new and old happened inside the program, not on the host.
     assert all(leaf.is_deleted() for leaf in old_buffers)
     assert jax.tree_util.tree_structure(pipeline.state) == structure
-    _assert_bitwise_equal(kept, pipeline.state)
+    assert_bitwise_equal(kept, pipeline.state)
     # The learning network's update overflowed; the layer norm behind it stayed finite.
     assert pipeline.nonfinite_part() == "parts[2]"
     (row,) = pipeline.report()
@@ -103,7 +89,7 @@ def test_overflowing_rate_is_not_committed_and_training_continues():
     # Skipped steps accumulate, and the state still does not move.
     pipeline.step(x, target)
     assert (pipeline.steps, pipeline.skipped_steps) == (3, 2)
-    _assert_bitwise_equal(kept, pipeline.state)
+    assert_bitwise_equal(kept, pipeline.state)
 
     # Back to a sane rate: the next step commits and really learns.
     _set_rate(pipeline, SAFE_RATE)
@@ -122,10 +108,10 @@ def test_raise_policy_raises_at_the_next_call_naming_the_part():
     pipeline = fusedpc.FusedPipeline(_switchable_tree(), nonfinite="raise")
     x, target = _batch()
     _set_rate(pipeline, OVERFLOW_RATE)
-    kept = _host(pipeline.state)
+    kept = host_leaves(pipeline.state)
     pipeline.step(x, target)  # the bad step itself returns: its values are still on device
     assert (pipeline.steps, pipeline.skipped_steps) == (1, 1)
-    _assert_bitwise_equal(kept, pipeline.state)
+    assert_bitwise_equal(kept, pipeline.state)
 
     buffers = jax.tree_util.tree_leaves(pipeline.state)
     with pytest.raises(
@@ -136,7 +122,7 @@ def test_raise_policy_raises_at_the_next_call_naming_the_part():
     # The call that raised ran nothing: nothing donated, nothing counted.
     assert not any(leaf.is_deleted() for leaf in buffers)
     assert (pipeline.steps, pipeline.skipped_steps) == (1, 1)
-    _assert_bitwise_equal(kept, pipeline.state)
+    assert_bitwise_equal(kept, pipeline.state)
 
     # Reported once; with a sane rate training goes on.
     _set_rate(pipeline, SAFE_RATE)
@@ -154,13 +140,13 @@ def test_overflow_outside_every_part_metric_is_still_named():
     )
     pipeline = fusedpc.FusedPipeline(tree, nonfinite="raise")
     x, target = _batch()
-    kept = _host(pipeline.state)
+    kept = host_leaves(pipeline.state)
     pipeline.step(1e10 * x, target)
     assert pipeline.skipped_steps == 1
     assert pipeline.report()[0]["finite"] is True
     name = pipeline.nonfinite_part()
     assert name is not None and name.startswith("parts[0].opt_state")
-    _assert_bitwise_equal(kept, pipeline.state)
+    assert_bitwise_equal(kept, pipeline.state)
     with pytest.raises(fusedpc.NonFiniteStepError, match=r"first in part 'parts\[0\]\.opt_state"):
         pipeline.step(x, target)
 
@@ -169,14 +155,14 @@ def test_overflow_outside_every_part_metric_is_still_named():
 def test_ignore_policy_commits_non_finite_values():
     pipeline = fusedpc.FusedPipeline(_switchable_tree(), nonfinite="ignore")
     _set_rate(pipeline, OVERFLOW_RATE)
-    frozen_before = _host(pipeline.state.parts[0])
+    frozen_before = host_leaves(pipeline.state.parts[0])
     x, target = _batch()
     pipeline.step(x, target)
     assert bool(pipeline.last_metrics.committed)
     assert (pipeline.steps, pipeline.skipped_steps) == (1, 0)
     learned = _learning_leaves(pipeline)
     assert not all(np.isfinite(a).all() for a in learned), "the overflow was committed"
-    _assert_bitwise_equal(frozen_before, pipeline.state.parts[0])
+    assert_bitwise_equal(frozen_before, pipeline.state.parts[0])
     # The report still says where it happened.
     assert pipeline.nonfinite_part() == "parts[2]"
     assert pipeline.report()[0]["finite"] is False
@@ -203,7 +189,7 @@ def test_run_guards_every_inner_step():
     stepped = fusedpc.FusedPipeline(_tree(optax.sgd(0.05)))
     y0, _ = stepped.step(xs[0], targets[0])
     y2, _ = stepped.step(xs[2], targets[2])
-    _assert_bitwise_equal(_host(stepped.state), scanned.state)
+    assert_bitwise_equal(host_leaves(stepped.state), scanned.state)
     assert np.array_equal(np.asarray(ys[0]), np.asarray(y0))
     assert np.array_equal(np.asarray(ys[2]), np.asarray(y2))
 

@@ -125,7 +125,7 @@ class Named(AbstractMetrics):
 
     @property
     def finite(self) -> jax.Array:
-        return _all_flags(self)
+        return metrics_finite(self)
 
     def walk(self, path: str = "") -> Iterator[tuple[str, AbstractMetrics]]:
         for name, child in zip(self.names, self.children):
@@ -145,7 +145,7 @@ class Stacked(AbstractMetrics):
 
     @property
     def finite(self) -> jax.Array:
-        return _all_flags(self)
+        return metrics_finite(self)
 
     def walk(self, path: str = "") -> Iterator[tuple[str, AbstractMetrics]]:
         leaves = jax.tree_util.tree_leaves(self.blocks)
@@ -156,11 +156,24 @@ class Stacked(AbstractMetrics):
             yield from iter_metrics(block, f"{path}[{i}]")
 
 
-def _all_flags(node: PyTree) -> jax.Array:
-    flags = [jnp.all(jnp.asarray(m.finite)) for _, m in iter_metrics(node)]
+def metric_leaves(tree: PyTree) -> list[AbstractMetrics]:
+    """Every leaf metrics node of a metrics tree, for use on the device: the children of a
+    `Named` and the blocks of a `Stacked` are walked as pytrees, so stacked blocks stay
+    stacked (one array per field, no per-block slicing as in `iter_metrics`)."""
+
+    def is_leaf(node: Any) -> bool:
+        return isinstance(node, AbstractMetrics) and not isinstance(node, Named | Stacked)
+
+    return [n for n in jax.tree_util.tree_leaves(tree, is_leaf=is_leaf) if is_leaf(n)]
+
+
+def metrics_finite(tree: PyTree) -> jax.Array:
+    """One boolean: every leaf's `finite` flag (stacked flags included) is true."""
+    flags = [jnp.all(jnp.asarray(m.finite)) for m in metric_leaves(tree)]
     if not flags:
         return jnp.array(True)
     return jnp.stack(flags).all()
+
 
 
 def leaf_finite(leaf: Any) -> jax.Array:

@@ -37,12 +37,11 @@ from fusedpc.core import losses as _losses
 from fusedpc.core._checks import IdRangeCheck, check_part, id_range_check
 from fusedpc.core._gradients import clip_gradients, collect_gradient_squares
 from fusedpc.core._metrics import (
-    AbstractMetrics,
-    Named,
     PartMetrics,
-    Stacked,
     all_finite,
     leaf_finite,
+    metric_leaves,
+    metrics_finite,
     tree_norm,
 )
 from fusedpc.core._part import AbstractPart, Core, PyTree
@@ -230,21 +229,12 @@ def pad_rows(
     return (*padded, mask)
 
 
-def _leaf_metrics(parts: PyTree) -> list[AbstractMetrics]:
-    """Every leaf metrics node, stacked blocks kept stacked (no per-block slicing)."""
-
-    def is_node(node: Any) -> bool:
-        return isinstance(node, AbstractMetrics) and not isinstance(node, Named | Stacked)
-
-    return [n for n in jax.tree_util.tree_leaves(parts, is_leaf=is_node) if is_node(n)]
-
-
 def max_update_ratio(parts: PyTree) -> jax.Array:
     """The largest update / weight norm ratio over every learning part (the report's
     `update_ratio`); 0 without learning parts. A part with zero weights counts as infinite
     when it moved and as 0 when it did not."""
     ratios = []
-    for m in _leaf_metrics(parts):
+    for m in metric_leaves(parts):
         if isinstance(m, PartMetrics):
             update, weight = m.update_norm, m.weight_norm
             safe = jnp.where(weight > 0, weight, 1.0)
@@ -253,14 +243,6 @@ def max_update_ratio(parts: PyTree) -> jax.Array:
     if not ratios:
         return jnp.zeros((), jnp.float32)
     return jnp.max(jnp.stack(ratios))
-
-
-def parts_finite(parts: PyTree) -> jax.Array:
-    """Every part's own `finite` flag (read off its norms: a norm that overflows counts)."""
-    flags = [jnp.all(jnp.asarray(m.finite)) for m in _leaf_metrics(parts)]
-    if not flags:
-        return jnp.array(True)
-    return jnp.stack(flags).all()
 
 
 def scan_steps(
@@ -407,7 +389,7 @@ class StepProgram:
         finite_flags = [
             *jax.tree_util.tree_leaves(state_finite),
             all_finite((y, input_error)),
-            parts_finite(part_metrics),
+            metrics_finite(part_metrics),  # each part's own flag: its norms overflowing count
             jnp.isfinite(tree_norm(error)),
         ]
         known = self.error_fn.loss if weights is None else self.error_fn.row_loss
@@ -595,6 +577,5 @@ __all__ = [
     "make_step",
     "max_update_ratio",
     "normalise_active",
-    "parts_finite",
     "scan_steps",
 ]

@@ -97,6 +97,20 @@ def calibrate(
     """
     if not (target > 0 and math.isfinite(target)):
         raise ValueError(f"target must be a positive number, got {target!r}.")
+    ratios, sizes = _ratios_by_part(rows, fraction)
+    if not ratios:
+        raise ValueError(
+            "no report rows to calibrate from; the log needs lines with kind 'report' "
+            "(fusedpc train writes them every --report-every steps)."
+        )
+    return [_calibration(part, sizes[part], values, target) for part, values in ratios.items()]
+
+
+def _ratios_by_part(
+    rows: Iterable[dict[str, Any]], fraction: float
+) -> tuple[dict[str, list[float]], dict[str, tuple[int, ...]]]:
+    """Each part's logged update ratios (its last `fraction` of them; NaN where none was
+    logged), in the order first seen, and its layer sizes."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must lie in (0, 1], got {fraction!r}.")
     ratios: dict[str, list[float]] = {}
@@ -105,19 +119,21 @@ def calibrate(
         value = row.get("update_ratio")
         ratios.setdefault(row["part"], []).append(float("nan") if value is None else float(value))
         sizes.setdefault(row["part"], tuple(row.get("layer_sizes") or ()))
-    if not ratios:
-        raise ValueError(
-            "no report rows to calibrate from; the log needs lines with kind 'report' "
-            "(fusedpc train writes them every --report-every steps)."
-        )
-    table = []
-    for part, values in ratios.items():
-        values = values[len(values) - max(1, math.ceil(len(values) * fraction)):]
-        finite = np.asarray([v for v in values if math.isfinite(v)], np.float64)
-        median = float(np.median(finite)) if finite.size else float("nan")
-        multiplier, reason = _reason(median, target)
-        table.append(PartCalibration(part, sizes[part], len(values), median, multiplier, reason))
-    return table
+    kept = {
+        part: values[len(values) - max(1, math.ceil(len(values) * fraction)):]
+        for part, values in ratios.items()
+    }
+    return kept, sizes
+
+
+def _calibration(
+    name: str, sizes: tuple[int, ...], values: list[float], target: float
+) -> PartCalibration:
+    """The median of the finite `values`, its multiplier and reason."""
+    finite = np.asarray([v for v in values if math.isfinite(v)], np.float64)
+    median = float(np.median(finite)) if finite.size else float("nan")
+    multiplier, reason = _reason(median, target)
+    return PartCalibration(name, sizes, len(values), median, multiplier, reason)
 
 
 def slot_of(part: str) -> str | None:
@@ -150,29 +166,17 @@ def calibrate_slots(
     `current` (a run's own `slot_lr_scales`) is compounded in: the result is the scale to
     set, relative to `lr`, not a change of the scale the run used. Parts outside every slot
     are left out."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must lie in (0, 1], got {fraction!r}.")
-    per_part: dict[str, list[float]] = {}
-    for row in report_rows(rows):
-        value = row.get("update_ratio")
-        per_part.setdefault(row["part"], []).append(
-            float("nan") if value is None else float(value)
-        )
     pooled: dict[str, list[float]] = {}
-    for part, values in per_part.items():
+    for part, values in _ratios_by_part(rows, fraction)[0].items():
         slot = slot_of(part)
         if slot is not None:
-            kept = values[len(values) - max(1, math.ceil(len(values) * fraction)):]
-            pooled.setdefault(slot, []).extend(kept)
+            pooled.setdefault(slot, []).extend(values)
     table = []
     for slot, values in pooled.items():
-        finite = np.asarray([v for v in values if math.isfinite(v)], np.float64)
-        median = float(np.median(finite)) if finite.size else float("nan")
-        multiplier, reason = _reason(median, target)
-        if multiplier is not None:
-            multiplier *= (current or {}).get(slot, 1.0)
-        table.append(PartCalibration(slot, (), len(values), median, multiplier,
-                                     reason.replace("this part's", "this slot's")))
+        c = _calibration(slot, (), values, target)
+        multiplier = None if c.multiplier is None else c.multiplier * (current or {}).get(slot, 1.0)
+        reason = c.reason.replace("this part's", "this slot's")
+        table.append(dataclasses.replace(c, multiplier=multiplier, reason=reason))
     return table
 
 

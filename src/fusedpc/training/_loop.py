@@ -251,7 +251,8 @@ class _Session:
                 "SHA-256 changed); resume with the same text."
             )
         # before anything is built or compiled: a config too large for memory is one line
-        self.memory = check_run_memory(config, self.tokenizer.vocab_size)
+        self.parameters = parameter_count(config, self.tokenizer.vocab_size)
+        self.memory = check_run_memory(config, self.tokenizer.vocab_size, self.parameters)
         self.mesh = make_mesh(config)
         self.pipeline = build_pipeline(config, self.tokenizer.vocab_size, self.mesh)
         # Each process draws its own rows; batch k depends only on (seed, k).
@@ -320,9 +321,7 @@ class _Session:
         if init is not None:
             self.log.emit({"kind": "init_from", "step": 0, "run": config.init_from,
                            "run_step": self.init_step})
-        self.device = {**device_info(), "parameters": parameter_count(
-            config, self.tokenizer.vocab_size
-        )}
+        self.device = {**device_info(), "parameters": self.parameters}
         self.log.emit({"kind": "run", "step": self.step, **self.device})
         if changed:
             self.log.emit({"kind": "config_change", "step": self.step, "changed": changed})

@@ -13,23 +13,28 @@ from typing import Any
 
 from fusedpc.training._config import TrainConfig
 from fusedpc.training._host_memory import gpt_step_temporaries
+from fusedpc.training._setup import parameter_count
 
 FLOAT_BYTES = 4
 # Optimiser moments per parameter (Adam's m and v); SGD keeps none.
 OPTIMISER_SLOTS = {"adam": 2, "adamw": 2, "sgd": 0}
 
 
-def estimate_run_memory(config: TrainConfig, vocab_size: int) -> dict[str, int]:
+def estimate_run_memory(
+    config: TrainConfig, vocab_size: int, parameters: int | None = None
+) -> dict[str, int]:
     """Bytes a run needs at its peak, by part: `state` (weights, optimiser moments and the
     commit rule's transient copy of what a step updates), `step` (one step's temporaries,
     logits included), `batches` (`steps_per_call` batches of ids and targets, and the
     validation batches) and `sample` (the final sample's buffer); `total` is their sum.
 
     A rough upper estimate from shapes (float32 everywhere), meant to refuse configs that
-    cannot fit, not to plan a tight one."""
+    cannot fit, not to plan a tight one. `parameters`: the model's parameter count
+    (`parameter_count`), when the caller has it already."""
     m = config.model
     d, f, t, v, n = m.width, m.ff_width, m.max_len, vocab_size, m.n_blocks
-    parameters = v * d + t * d + n * (4 * d * d + 2 * d * f + f + 9 * d) + 2 * d + d * v + v
+    if parameters is None:
+        parameters = parameter_count(config, vocab_size)
     slots = OPTIMISER_SLOTS.get(config.optimiser, 2)
     state = FLOAT_BYTES * parameters * (1 + slots) * 2  # x2: the step's new state beside it
     rows = config.batch * t
@@ -71,10 +76,12 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3g} GiB"
 
 
-def check_run_memory(config: TrainConfig, vocab_size: int) -> dict[str, int]:
+def check_run_memory(
+    config: TrainConfig, vocab_size: int, parameters: int | None = None
+) -> dict[str, int]:
     """Refuse (a `ValueError`, one line) a run whose estimate exceeds the memory available;
     returns the estimate otherwise."""
-    need = estimate_run_memory(config, vocab_size)
+    need = estimate_run_memory(config, vocab_size, parameters)
     have, what = available_memory()
     if have is not None and need["total"] > have:
         parts = sorted((k for k in need if k != "total"), key=need.__getitem__, reverse=True)

@@ -26,13 +26,6 @@ TENSORBOARD_MISSING = (
 REPORT_FIELDS = ("update_norm", "error_norm", "weight_norm", "update_ratio")
 
 
-def tensorboard_available() -> bool:
-    """Whether tensorboardX can be imported."""
-    import importlib.util
-
-    return importlib.util.find_spec("tensorboardX") is not None
-
-
 class TensorBoardSink:
     """Writes the scalars of each log record to event files in `folder`.
 
@@ -80,5 +73,4 @@ __all__ = [
     "TENSORBOARD_DIR",
     "TENSORBOARD_MISSING",
     "TensorBoardSink",
-    "tensorboard_available",
 ]
