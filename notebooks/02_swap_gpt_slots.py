@@ -85,19 +85,10 @@ print("learning parts:", [row["part"] for row in pipeline.report()])
 
 # %%
 sgd = optax.sgd(0.3)
+# `learn` gives each slot one optimiser: every block's part of that slot is transplanted at
+# the reference weights and learns with it (so the blocks stack into one Repeat)
 everything = fusedpc.hybrid_from_gpt(
-    reference,
-    ff_parts=[transplant.from_feedforward(b.ff.fc1, b.ff.fc2, "gelu", optimiser=sgd)
-              for b in reference.blocks],
-    attention_parts=[
-        {name: transplant.from_linear(getattr(b.attn, name), optimiser=sgd)
-         for name in ("wq", "wk", "wv", "wo")}
-        for b in reference.blocks
-    ],
-    head_part=transplant.from_linear(reference.head, optimiser=sgd),
-    token_part=transplant.from_embedding(reference.tok_emb, optimiser=sgd),
-    position_part=transplant.from_embedding(reference.pos_emb, optimiser=sgd),
-    norm_parts=lambda norm: transplant.from_layer_norm(norm, optimiser=sgd),
+    reference, learn={slot: sgd for slot in fusedpc.transformer.SLOTS}
 )
 full = fusedpc.FusedPipeline(everything, "softmax_cross_entropy")
 _, _, metrics = full.run(xs, ys, keep_outputs=False)

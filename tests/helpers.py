@@ -27,6 +27,21 @@ from fusedpc.parts._activations import ACTIVATIONS
 PyTree = Any
 
 
+# --------------------------------------------------------------------------- traces
+def count_equations(jaxpr) -> int:
+    """Equations of a jaxpr, including those of its sub-jaxprs (scan bodies and so on)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):  # a ClosedJaxpr
+                    total += count_equations(sub.jaxpr)
+                elif hasattr(sub, "eqns"):  # a Jaxpr
+                    total += count_equations(sub)
+    return total
+
+
 # --------------------------------------------------------------------------- optimisers
 def capture_gradients() -> optax.GradientTransformation:
     """An 'optimiser' that keeps the gradient it is fed as its state and updates nothing."""

@@ -21,6 +21,7 @@ from fusedpc.parts._frozen import FrozenState as FrozenState
 from fusedpc.parts._repeat import Repeat as Repeat
 from fusedpc.parts._repeat import RepeatCache as RepeatCache
 from fusedpc.parts._repeat import RepeatState as RepeatState
+from fusedpc.parts._repeat import equivalent as equivalent
 from fusedpc.parts.frozen import LayerNormCache as LayerNormCache
 from fusedpc.parts.learning import EmbeddingState as EmbeddingState
 from fusedpc.parts.learning import LayerNormParams as LayerNormParams

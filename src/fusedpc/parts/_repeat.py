@@ -4,6 +4,8 @@ compiled program (and its compile time) does not grow with N."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,13 +47,82 @@ def _describe(x: Any) -> str:
     return repr(x)
 
 
-def _same_static(a: Any, b: Any) -> bool:
+_EQUIVALENCE_DEPTH = 64
+
+
+def equivalent(a: Any, b: Any) -> bool:
+    """Whether two static values (functions, optimisers, settings) are interchangeable: the
+    same object, equal plain values, or functions built by the same code from equivalent
+    captured values.
+
+    So two `optax.adam(1e-3)` made separately are equivalent (the same functions of the same
+    settings), `optax.adam(1e-3)` and `optax.adam(2e-3)` are not, and neither are two lambdas
+    written on different lines. Conservative: a value it cannot look inside (an object with
+    the default, identity equality) is equivalent only to itself; captured arrays are compared
+    by value; containers and `functools.partial` element by element.
+    """
+    return _equivalent(a, b, _EQUIVALENCE_DEPTH)
+
+
+def _equivalent(a: Any, b: Any, depth: int) -> bool:
     if a is b:
         return True
+    if depth <= 0 or type(a) is not type(b):
+        return False
+    if isinstance(a, types.FunctionType):
+        return (
+            a.__code__ is b.__code__
+            and a.__globals__ is b.__globals__
+            and _equivalent(a.__defaults__, b.__defaults__, depth - 1)
+            and _equivalent(a.__kwdefaults__, b.__kwdefaults__, depth - 1)
+            and _equivalent(_cells(a), _cells(b), depth - 1)
+        )
+    if isinstance(a, functools.partial):
+        return (
+            _equivalent(a.func, b.func, depth - 1)
+            and _equivalent(a.args, b.args, depth - 1)
+            and _equivalent(a.keywords, b.keywords, depth - 1)
+        )
+    if isinstance(a, types.MethodType):
+        return _equivalent(a.__func__, b.__func__, depth - 1) and _equivalent(
+            a.__self__, b.__self__, depth - 1
+        )
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(
+            _equivalent(x, y, depth - 1) for x, y in zip(a, b)
+        )
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_equivalent(a[k], b[k], depth - 1) for k in a)
+    if _is_array(a):
+        if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+            return False
+        return (
+            jnp.shape(a) == jnp.shape(b)
+            and jnp.result_type(a) == jnp.result_type(b)
+            and bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        )
     try:
         return bool(a == b)
     except Exception:  # values without a boolean equality count as different
         return False
+
+
+def _cells(function: types.FunctionType) -> tuple:
+    """The values a function captured (an empty cell reads as a marker of its own)."""
+    values = []
+    for cell in function.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            values.append(_EMPTY_CELL)
+    return tuple(values)
+
+
+_EMPTY_CELL = object()
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    return equivalent(a, b)
 
 
 def first_difference(a: Any, b: Any, where: str = "") -> str | None:
@@ -131,8 +202,9 @@ class Repeat(AbstractPart):
     `blocks`). A block must keep its input's shape and dtype.
 
     Blocks are structurally identical when they have the same class, pytree structure, static
-    configuration (functions and optimisers compared by identity: create them once, outside a
-    factory) and array shapes/dtypes; they differ only in array values. With `unroll=True` the
+    configuration (functions and optimisers compared with `equivalent`: the same object, or
+    made by the same code from equal settings, so two `optax.adam(1e-3)` made separately
+    count as one) and array shapes/dtypes; they differ only in array values. With `unroll=True` the
     blocks run in a Python loop instead (the same state layout and results; a program that grows
     with N, for comparison and benchmarks).
 
@@ -156,6 +228,13 @@ class Repeat(AbstractPart):
                     f"Repeat: block {i} is not structurally identical to block 0; first "
                     f"difference at {found}. Repeated blocks may differ only in array values."
                 )
+        # Equivalent static values (two `optax.adam(1e-3)`, say) become block 0's own, so
+        # that every block has one tree structure, as the stacked state and the scan need.
+        structure = jax.tree_util.tree_structure(blocks[0])
+        blocks = (blocks[0],) + tuple(
+            jax.tree_util.tree_unflatten(structure, jax.tree_util.tree_leaves(block))
+            for block in blocks[1:]
+        )
         self.blocks = blocks
         self.unroll = bool(unroll)
 

@@ -3,6 +3,8 @@
 
 from fusedpc.transformer import reference as reference
 from fusedpc.transformer._build import AUTO_UNROLL_BLOCKS as AUTO_UNROLL_BLOCKS
+from fusedpc.transformer._build import LEARNING_PRESETS as LEARNING_PRESETS
+from fusedpc.transformer._build import SLOTS as SLOTS
 from fusedpc.transformer._build import GPTConfig as GPTConfig
 from fusedpc.transformer._build import blocks_form as blocks_form
 from fusedpc.transformer._build import build_gpt as build_gpt

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import equinox as eqx
@@ -88,6 +88,97 @@ def _attention_part(attn, given: dict | None, where: str) -> MultiHeadAttention:
     return MultiHeadAttention(**slots, wo=wo, n_heads=attn.n_heads)
 
 
+_SLOT_ARGUMENTS = {
+    "token": "token_part",
+    "position": "position_part",
+    "attention": "attention_parts",
+    "feed_forward": "ff_parts",
+    "norm": "norm_parts",
+    "head": "head_part",
+}
+
+
+def _learning_slots(
+    gpt: GPT,
+    learn: Mapping[str, optax.GradientTransformation | None],
+    given: dict[str, Any],
+    *,
+    learning_kind: str,
+    learning_kwargs: dict | None,
+    hidden_precision: float,
+    fused_qkv: bool,
+    head: str,
+) -> dict[str, Any]:
+    """The `hybrid_from_gpt` arguments for the slots named in `learn`: learning parts
+    transplanted at `gpt`'s weights, every block's part of a slot holding the one optimiser
+    given for the slot (so the blocks stack). `given` holds the arguments passed explicitly;
+    a slot both in `learn` and given is an error."""
+    if not isinstance(learn, Mapping):
+        raise TypeError(
+            "hybrid_from_gpt: learn must map slot names to optimisers, e.g. "
+            f"{{'feed_forward': optax.adam(1e-3)}}; got {type(learn).__name__}."
+        )
+    unknown = sorted(set(learn) - set(SLOTS))
+    if unknown:
+        raise ValueError(f"hybrid_from_gpt: learn has unknown slots {unknown}; choose from "
+                         f"{SLOTS}.")
+    twice = [s for s in learn if given.get(_SLOT_ARGUMENTS[s]) is not None]
+    if twice:
+        raise ValueError(
+            f"hybrid_from_gpt: slots {twice} are both in learn and given as parts "
+            f"({[_SLOT_ARGUMENTS[s] for s in twice]}); give each slot one way."
+        )
+    synaptic = learning_kind == "synaptic_uncertainty"
+
+    def learning_for(slot: str) -> dict[str, Any]:
+        return {
+            "optimiser": None if synaptic else learn[slot],
+            "learning_kind": learning_kind,
+            "learning_kwargs": learning_kwargs,
+        }
+
+    parts: dict[str, Any] = {}
+    if "feed_forward" in learn:
+        parts["ff_parts"] = [
+            transplant.from_feedforward(
+                b.ff.fc1, b.ff.fc2, "gelu", hidden_precision=hidden_precision,
+                **learning_for("feed_forward"),
+            )
+            for b in gpt.blocks
+        ]
+    if "attention" in learn:
+        learning = learning_for("attention")
+        attention = []
+        for b in gpt.blocks:
+            a = b.attn
+            if fused_qkv:
+                slot = {"wqkv": transplant.from_linears([a.wq, a.wk, a.wv], **learning)}
+            else:
+                slot = {n: transplant.from_linear(getattr(a, n), **learning)
+                        for n in ("wq", "wk", "wv")}
+            slot["wo"] = transplant.from_linear(a.wo, **learning)
+            attention.append(slot)
+        parts["attention_parts"] = attention
+    if "head" in learn:
+        parts["head_part"] = transplant.from_linear(
+            gpt.head, head=head, **learning_for("head")
+        )
+    if "token" in learn:
+        parts["token_part"] = transplant.from_embedding(gpt.tok_emb, **learning_for("token"))
+    if "position" in learn:
+        parts["position_part"] = transplant.from_embedding(
+            gpt.pos_emb, **learning_for("position")
+        )
+    if "norm" in learn:
+        norm_optimiser = learn["norm"]
+
+        def norm_parts(ln):
+            return transplant.from_layer_norm(ln, optimiser=norm_optimiser)
+
+        parts["norm_parts"] = norm_parts
+    return parts
+
+
 def hybrid_from_gpt(
     gpt: GPT,
     ff_parts: Sequence[AbstractPart | None] | Callable[[int], AbstractPart | None] | None = None,
@@ -97,16 +188,33 @@ def hybrid_from_gpt(
     position_part: AbstractPart | None = None,
     norm_parts: Callable[[Any], AbstractPart] | None = None,
     *,
+    learn: Mapping[str, optax.GradientTransformation | None] | None = None,
+    learning_kind: str = "precision_weighted",
+    learning_kwargs: dict | None = None,
+    hidden_precision: float = 1.0,
+    fused_qkv: bool = False,
     scan: bool | str = "auto",
     output: str = "logits",
 ) -> GPTPart:
     """A `GPTPart` at the weights of a reference `fusedpc.transformer.reference.GPT`.
 
     Every slot not given stays frozen at the reference weights (feed-forward: linear, GELU,
-    linear). `ff_parts[i]` / `attention_parts[i]` (a dict with any of `"wq"`, `"wk"`, `"wv"`,
-    `"wo"`, or `"wqkv"` and optionally `"wo"`) replace block i's slots; either may also be a
-    callable of the block index. `norm_parts(ln)` is applied to every LayerNorm (`n1`, `n2`,
-    `norm_f`). Structurally identical blocks are held by a `Repeat` (their states stacked);
+    linear). Learning slots are given in one of two ways:
+
+    * `learn={"feed_forward": optax.adam(1e-3), "head": optax.sgd(0.1)}`: one optimiser per
+      slot (`"token"`, `"position"`, `"attention"`, `"feed_forward"`, `"norm"`, `"head"`);
+      every block's part of that slot is a learning part transplanted at the reference weights
+      holding that one optimiser (`learning_kind`, `learning_kwargs`, `hidden_precision` of
+      the feed-forwards' hidden layer, `fused_qkv` for one QKV network per block). The
+      simplest way to many blocks that scan.
+    * parts of your own: `ff_parts[i]` / `attention_parts[i]` (a dict with any of `"wq"`,
+      `"wk"`, `"wv"`, `"wo"`, or `"wqkv"` and optionally `"wo"`) replace block i's slots;
+      either may also be a callable of the block index. `norm_parts(ln)` is applied to every
+      LayerNorm (`n1`, `n2`, `norm_f`); `head_part`, `token_part`, `position_part`.
+
+    Structurally identical blocks are held by a `Repeat` (their states stacked); optimisers
+    made separately by the same call (`optax.adam(1e-3)` in a loop) count as identical, see
+    `fusedpc.parts.equivalent`;
     `scan=True` runs them in a `lax.scan` (compile time flat in depth), `scan="auto"` (the
     default) unrolls the `Repeat` up to `AUTO_UNROLL_BLOCKS` blocks and scans beyond, and
     `scan=False`, or blocks that differ, give a `Blocks` chain of independent blocks.
@@ -126,6 +234,19 @@ def hybrid_from_gpt(
         )
     n_blocks = len(gpt.blocks)
     form = blocks_form(scan, n_blocks, "hybrid_from_gpt: scan")
+    if learn is not None:
+        given = {
+            "ff_parts": ff_parts, "attention_parts": attention_parts, "head_part": head_part,
+            "token_part": token_part, "position_part": position_part, "norm_parts": norm_parts,
+        }
+        head = "categorical" if output == "probabilities" else "gaussian"
+        given.update(_learning_slots(
+            gpt, learn, given, learning_kind=learning_kind, learning_kwargs=learning_kwargs,
+            hidden_precision=hidden_precision, fused_qkv=fused_qkv, head=head,
+        ))
+        ff_parts, attention_parts = given["ff_parts"], given["attention_parts"]
+        head_part, token_part = given["head_part"], given["token_part"]
+        position_part, norm_parts = given["position_part"], given["norm_parts"]
     ffs = _per_block(ff_parts, n_blocks, "ff_parts")
     attns = _per_block(attention_parts, n_blocks, "attention_parts")
     norm = norm_parts or frozen.layer_norm
@@ -160,8 +281,8 @@ def hybrid_from_gpt(
                 warnings.warn(
                     f"hybrid_from_gpt: the {n_blocks} blocks run as an unscanned chain, whose "
                     f"compile time grows with depth, because they differ. {err} Pass one "
-                    "optimiser object (or one part factory's shared settings) to every "
-                    "block, or scan=False to ask for the chain.",
+                    "optimiser object to every block (hybrid_from_gpt(learn={slot: "
+                    "optimiser}) does), or scan=False to ask for the chain.",
                     UserWarning,
                     stacklevel=2,
                 )
@@ -266,62 +387,14 @@ def build_gpt(
         config.max_len,
         key=key,
     )
-    slots = set(config.learning_slots())
-    synaptic = config.learning_kind == "synaptic_uncertainty"
-
-    def slot_optimiser(slot):
-        return slot_optimisers.get(slot, optimiser)
-
-    def learning_for(slot):
-        return {
-            "optimiser": None if synaptic else slot_optimiser(slot),
-            "learning_kind": config.learning_kind,
-            "learning_kwargs": config.learning_kwargs,
-        }
-
-    ff_parts = attention_parts = None
-    if "feed_forward" in slots:
-        ff_parts = [
-            transplant.from_feedforward(
-                b.ff.fc1, b.ff.fc2, "gelu", hidden_precision=config.hidden_precision,
-                **learning_for("feed_forward"),
-            )
-            for b in reference.blocks
-        ]
-    if "attention" in slots:
-        attention_parts = []
-        learning = learning_for("attention")
-        for b in reference.blocks:
-            a = b.attn
-            if config.fused_qkv:
-                parts = {"wqkv": transplant.from_linears([a.wq, a.wk, a.wv], **learning)}
-            else:
-                parts = {n: transplant.from_linear(getattr(a, n), **learning)
-                         for n in ("wq", "wk", "wv")}
-            parts["wo"] = transplant.from_linear(a.wo, **learning)
-            attention_parts.append(parts)
-    head_part = None
-    if "head" in slots:
-        head_part = transplant.from_linear(
-            reference.head, head=config.head_kind, **learning_for("head")
-        )
-    token_part = position_part = None
-    if "token" in slots:
-        token_part = transplant.from_embedding(reference.tok_emb, **learning_for("token"))
-    if "position" in slots:
-        position_part = transplant.from_embedding(reference.pos_emb, **learning_for("position"))
-    norm_parts = None
-    if "norm" in slots:
-        def norm_parts(ln):
-            return transplant.from_layer_norm(ln, optimiser=slot_optimiser("norm"))
+    learn = {slot: slot_optimisers.get(slot, optimiser) for slot in config.learning_slots()}
     part = hybrid_from_gpt(
         reference,
-        ff_parts=ff_parts,
-        attention_parts=attention_parts,
-        head_part=head_part,
-        token_part=token_part,
-        position_part=position_part,
-        norm_parts=norm_parts,
+        learn=learn,
+        learning_kind=config.learning_kind,
+        learning_kwargs=config.learning_kwargs,
+        hidden_precision=config.hidden_precision,
+        fused_qkv=config.fused_qkv,
         scan=config.scan,
         output="probabilities" if config.head_kind == "categorical" else "logits",
     )
