@@ -12,11 +12,15 @@ from helpers import DeltaLinear, assert_tree_allclose
 import fusedpc
 from fusedpc import frozen
 from fusedpc.parts._attention import (
+    AttentionCache,
     AttentionState,
+    DotProductAttentionCache,
     MultiHeadAttention,
     causal_mix,
     causal_mix_backward,
     causal_mix_backward_rows,
+    causal_mix_dot_product,
+    causal_mix_dot_product_backward_rows,
     causal_mix_tiles,
     causal_tiles_for,
 )
@@ -290,6 +294,211 @@ def test_report_rows_and_write_back_name_the_slots():
     fused.step(batch(1), batch(2))
     assert [row["part"] for row in fused.report()] == ["wqkv", "wo"]
     assert fused.state.wq is None and fused.state.wqkv is not None
+
+
+# --------------------------------------------------------------------------- mixing
+DPA = "dot_product_attention"
+# The two mixings add the same products in another order, and the dot-product backward
+# recomputes A as exp(S - lse) rather than as a normalised exp: float32 rounding of O(1)
+# values summed over up to 128 keys (measured <= 1.2e-6 absolute on O(3) entries).
+MIX_TOL = {"rtol": 1e-5, "atol": 2e-6}
+
+
+def with_mixing(part: MultiHeadAttention, mixing: str, **kwargs) -> MultiHeadAttention:
+    """`part` rebuilt through the constructor with another mixing."""
+    return MultiHeadAttention(
+        wq=part.wq, wk=part.wk, wv=part.wv, wo=part.wo, wqkv=part.wqkv, n_heads=part.n_heads,
+        causal_tiles=part.causal_tiles, mixing=mixing, **kwargs,
+    )
+
+
+def _rows(a):
+    """`(B, H, T, d)` heads -> `(B, T, H d)` rows."""
+    b, h, t, d = a.shape
+    return a.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+
+
+@pytest.mark.parametrize("seq, heads, d", [(5, 2, 4), (64, 4, 8), (128, 2, 16), (128, 8, 4)])
+def test_dot_product_mixing_equals_tiles_and_its_backward_is_its_vjp(seq, heads, d):
+    q, k, v = (jr.normal(jr.key(i), (B, heads, seq, d)) for i in range(3))
+    d_context = jr.normal(jr.key(3), (B, heads, seq, d))
+    tiles = causal_tiles_for(seq)
+    context, weights = causal_mix_tiles(q, k, v, tiles)
+    # jax.nn.dot_product_attention's layout is (B, T, H, d); its residual is (B, T, H)
+    q_t, k_t, v_t = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+    dpa_context, lse = causal_mix_dot_product(q_t, k_t, v_t)
+    assert dpa_context.shape == (B, seq, heads, d) and lse.shape == (B, seq, heads)
+    assert_tree_allclose(dpa_context.transpose(0, 2, 1, 3), context, **MIX_TOL)
+    scores = jnp.einsum("bhtd,bhsd->bhts", q, k) / np.sqrt(d)
+    masked = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -jnp.inf)
+    lse_want = jax.scipy.special.logsumexp(masked, axis=-1)
+    assert_tree_allclose(lse.transpose(0, 2, 1), lse_want, **MIX_TOL)
+
+    tiled = causal_mix_backward_rows(_rows(q), k, v, weights, _rows(d_context), heads)
+    _, vjp = jax.vjp(lambda a, b, c: causal_mix_dot_product(a, b, c)[0], q_t, k_t, v_t)
+    want = [a.reshape(B, seq, heads * d) for a in vjp(d_context.transpose(0, 2, 1, 3))]
+    for backward_tiles in sorted({1, 3, tiles}):  # tiles of the recomputation: any count
+        got = causal_mix_dot_product_backward_rows(
+            q_t, k_t, v_t, dpa_context, lse, _rows(d_context), backward_tiles
+        )
+        assert_tree_allclose(got, tiled, **MIX_TOL)
+        assert_tree_allclose(got, tuple(want), **MIX_TOL)
+
+
+def _attention_at(seq: int, n_heads: int, fused: bool, width: int = 16):
+    ref = reference(width=width, n_heads=n_heads)
+    x, error = batch(1, (B, seq, width)), batch(2, (B, seq, width))
+    return ref, x, error
+
+
+@pytest.mark.parametrize(
+    "seq, n_heads, fused", [(5, 2, False), (64, 4, False), (64, 8, True), (128, 2, False)]
+)
+def test_part_with_dot_product_mixing_equals_tiles(seq, n_heads, fused):
+    """Output, input error and every slot's error (through the learning slots' new weights:
+    the delta rule's update is the slot's error times its input) equal the tiled mixing's, and
+    the part's backward is the vjp of its forward."""
+    ref, x, error = _attention_at(seq, n_heads, fused)
+    tiles_part = learning_attention(ref, fused, optax.sgd(0.1))
+    runs = {m: run_part(with_mixing(tiles_part, m), x, error) for m in ("tiles", DPA)}
+    (_, _, y, (e, new_state, _)), (core, state, y_dpa, (e_dpa, new_dpa, metrics)) = (
+        runs["tiles"], runs[DPA]
+    )
+    assert_tree_allclose(y_dpa, y, **MIX_TOL)
+    assert_tree_allclose(e_dpa, e, **MIX_TOL)
+    assert_tree_allclose(new_dpa, new_state, **MIX_TOL)
+    assert metrics.names == (("wqkv", "wo") if fused else ("wq", "wk", "wv", "wo"))
+    _, vjp = jax.vjp(lambda inp: core.forward(state, inp)[0], x)
+    assert_tree_allclose(e_dpa, vjp(error)[0], **MIX_TOL)
+
+
+def test_dot_product_mixing_cache_holds_no_t_by_t_array():
+    seq, n_heads, width = 64, 4, 16
+    ref, x, _ = _attention_at(seq, n_heads, False, width)
+    part = frozen_attention(ref, False)
+
+    def cache_of(p):
+        return jax.eval_shape(p.compile("").forward, p.init_state(jr.key(0)), x)[1]
+
+    def square(cache):  # leaves with two sequence-long axes (>= T/2: the tiles' (T/2, T) too)
+        return [
+            leaf.shape
+            for leaf in jax.tree.leaves(cache)
+            if sum(n >= seq // 2 for n in leaf.shape) > 1
+        ]
+
+    tiled = cache_of(part)
+    assert isinstance(tiled, AttentionCache) and square(tiled)  # the control: A is there
+    cache = cache_of(with_mixing(part, DPA))
+    assert isinstance(cache, DotProductAttentionCache)
+    assert square(cache) == []
+    head = (B, seq, n_heads, width // n_heads)
+    assert [a.shape for a in (cache.q, cache.k, cache.v, cache.context)] == [head] * 4
+    assert cache.lse.shape == (B, seq, n_heads)
+
+
+def test_dot_product_mixing_passes_an_implementation_through():
+    ref, x, error = _attention_at(8, 2, False)
+    part = with_mixing(frozen_attention(ref, False), DPA, mixing_implementation="xla")
+    assert part.mixing_implementation == "xla"
+    _, _, y, (e, _, _) = run_part(part, x, error)
+    _, _, y_tiles, (e_tiles, _, _) = run_part(frozen_attention(ref, False), x, error)
+    assert_tree_allclose((y, e), (y_tiles, e_tiles), **MIX_TOL)
+    cudnn = with_mixing(frozen_attention(ref, False), DPA, mixing_implementation="cudnn")
+    with pytest.raises(ValueError, match=r"net\.attention: mixing_implementation='cudnn' needs "
+                       r"float16 or bfloat16 Q, K, V .*got float32"):
+        _trace(cudnn, x)
+
+
+def _swap_mixing(tree, mixing: str):
+    """Every `MultiHeadAttention` in `tree` rebuilt with `mixing`."""
+    def swap(node):
+        return with_mixing(node, mixing) if isinstance(node, MultiHeadAttention) else node
+
+    return jax.tree.map(swap, tree, is_leaf=lambda n: isinstance(n, MultiHeadAttention))
+
+
+def _arrays(tree) -> list:
+    """The array leaves of a part (its static fields, the mixing among them, left out)."""
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+def _two_steps(tree, error_fn, data):
+    pipe = fusedpc.FusedPipeline(tree, error_fn)
+    outputs = [pipe.step(x, target) for x, target in data]
+    return outputs, pipe.merge()
+
+
+def test_dot_product_mixing_in_a_transformer_block_steps_like_tiles():
+    seq, width = 64, 16
+    block = fusedpc.TransformerBlock(
+        frozen.layer_norm(width=width),
+        learning_attention(reference(width=width, n_heads=4), True, optax.sgd(0.1)),
+        frozen.layer_norm(width=width),
+        fusedpc.transplant.from_feedforward(
+            eqx.nn.Linear(width, 32, key=jr.key(5)), eqx.nn.Linear(32, width, key=jr.key(6)),
+            optimiser=optax.sgd(0.1),
+        ),
+    )
+    tree = fusedpc.Sequential([block])
+    data = [(batch(10 + i, (B, seq, width)), batch(20 + i, (B, seq, width))) for i in range(2)]
+    out_tiles, merged_tiles = _two_steps(tree, "squared", data)
+    out_dpa, merged_dpa = _two_steps(_swap_mixing(tree, DPA), "squared", data)
+    assert merged_dpa.parts[0].attention.mixing == DPA
+    assert_tree_allclose(out_dpa, out_tiles, **MIX_TOL)
+    assert_tree_allclose(_arrays(merged_dpa), _arrays(merged_tiles), **MIX_TOL)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_dot_product_mixing_in_a_gpt_steps_like_tiles(scan):
+    """A GPT whose every slot learns (blocks unrolled, or scanned by a `Repeat`), its
+    attentions switched to the dot-product mixing: two SGD steps give the default's logits,
+    input errors and weights."""
+    seq = 64
+    config = fusedpc.GPTConfig(
+        vocab_size=11, width=16, n_heads=4, n_blocks=2, ff_width=32, max_len=seq, learn="all",
+        scan=scan,
+    )
+    gpt, _ = fusedpc.build_gpt(config, optax.sgd(0.1), jr.key(0))
+    data = [
+        tuple(jr.randint(jr.key(30 + 2 * i + j), (B, seq), 0, 11) for j in range(2))
+        for i in range(2)
+    ]
+    out_tiles, merged_tiles = _two_steps(gpt, config.error_fn, data)
+    switched = _swap_mixing(gpt, DPA)
+    mixings = [
+        n.mixing for n in jax.tree.leaves(switched, is_leaf=lambda n: isinstance(
+            n, MultiHeadAttention)) if isinstance(n, MultiHeadAttention)
+    ]
+    assert mixings and set(mixings) == {DPA}
+    out_dpa, merged_dpa = _two_steps(switched, config.error_fn, data)
+    assert_tree_allclose(out_dpa, out_tiles, **MIX_TOL)
+    assert_tree_allclose(_arrays(merged_dpa), _arrays(merged_tiles), **MIX_TOL)
+
+
+def test_mixing_construction_errors(monkeypatch):
+    lin = _linear(D, D)
+    with pytest.raises(ValueError, match=r"mixing must be one of \('tiles', "
+                       r"'dot_product_attention'\), got 'flash'"):
+        MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin, mixing="flash")
+    with pytest.raises(ValueError, match=r"mixing_implementation must be one of .*got 'triton'"):
+        MultiHeadAttention(
+            wq=lin, wk=lin, wv=lin, wo=lin, mixing=DPA, mixing_implementation="triton"
+        )
+    with pytest.raises(ValueError, match=r"mixing_implementation='xla' applies to "
+                       r"mixing='dot_product_attention' only, got mixing='tiles'"):
+        MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin, mixing_implementation="xla")
+
+    def old_dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                                  is_causal=False, implementation=None):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", old_dot_product_attention)
+    monkeypatch.setattr(jax, "__version__", "0.7.2")
+    with pytest.raises(ValueError, match=r"mixing='dot_product_attention' needs .*"
+                       r"return_residual.*this jax \(0\.7\.2\).*jax >= 0\.8\.1"):
+        MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin, mixing=DPA)
+    MultiHeadAttention(wq=lin, wk=lin, wv=lin, wo=lin)  # the default mixing still builds
 
 
 # --------------------------------------------------------------------------- errors

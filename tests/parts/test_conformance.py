@@ -1,4 +1,5 @@
-"""One conformance suite that every part type passes (cases: `helpers.CONFORMANCE_CASES`).
+"""One conformance suite that every part type passes (cases: `helpers.CONFORMANCE_CASES`, plus
+the attention options defined below).
 
 Per case: output shapes; jit and no-jit forward+backward agree; the hand-written backward
 equals `jax.vjp` of the forward (through `fusedpc.check_backward` and directly; for a GPT,
@@ -25,7 +26,23 @@ from helpers import (
 
 import fusedpc
 
-CASES = sorted(CONFORMANCE_CASES)
+
+def _attention_dot_product_mixing() -> tuple[fusedpc.AbstractPart, jax.Array]:
+    """The fused learning attention case with `mixing="dot_product_attention"` (its
+    backward recomputes the weights from the log-sum-exp of `jax.nn.dot_product_attention`)."""
+    part, x = CONFORMANCE_CASES["attention_fused_learning_qkv"]()
+    assert isinstance(part, fusedpc.MultiHeadAttention)
+    mixed = fusedpc.MultiHeadAttention(
+        wqkv=part.wqkv, wo=part.wo, n_heads=part.n_heads, mixing="dot_product_attention"
+    )
+    return mixed, x
+
+
+FACTORIES = {
+    **CONFORMANCE_CASES,
+    "attention_dot_product_mixing": _attention_dot_product_mixing,
+}
+CASES = sorted(FACTORIES)
 
 
 class Reference(NamedTuple):
@@ -43,7 +60,7 @@ class Reference(NamedTuple):
 @functools.cache
 def _reference(name: str) -> Reference:
     """Build a case and run its forward and backward once without jit (shared by the checks)."""
-    part, x = CONFORMANCE_CASES[name]()
+    part, x = FACTORIES[name]()
     assert isinstance(part, fusedpc.AbstractPart), f"{name}: the factory must return a part"
     core = part.compile("")
     state = part.init_state(jax.random.key(0))

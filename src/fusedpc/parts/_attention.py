@@ -3,9 +3,10 @@ any part, around a weight-free mixing step with a hand-derived backward."""
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -25,6 +26,11 @@ from fusedpc.core._part import (
 
 _SEPARATE = ("wq", "wk", "wv")
 _LAYOUT = "(batch, seq, features)"
+MIXINGS = ("tiles", "dot_product_attention")
+MIXING_IMPLEMENTATIONS = (None, "xla", "cudnn")
+_CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+# The first jax whose `jax.nn.dot_product_attention` takes `return_residual` (absent in 0.8.0).
+_RESIDUAL_SINCE = "0.8.1"
 
 
 class AttentionState(eqx.Module):
@@ -57,6 +63,20 @@ class AttentionCache(eqx.Module):
     k: jax.Array
     v: jax.Array
     weights: tuple[jax.Array, ...]
+
+
+class DotProductAttentionCache(eqx.Module):
+    """What the backward reads under `mixing="dot_product_attention"`: the slots' caches,
+    Q, K, V and the context $C$ per head in `jax.nn.dot_product_attention`'s layout
+    `(B, T, H, d)`, and the log-sum-exp of each query's scores `(B, T, H)`. Nothing of size
+    `(T, T)`: the backward recomputes the weights from these."""
+
+    slots: AttentionSlotCaches
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    context: jax.Array
+    lse: jax.Array
 
 
 def _split_heads(y: jax.Array, n_heads: int, transposed: bool = False) -> jax.Array:
@@ -95,6 +115,22 @@ def _tile_bounds(seq_len: int, tiles: int) -> list[tuple[int, int]]:
     return [(i * seq_len // n, (i + 1) * seq_len // n) for i in range(n)]
 
 
+def _masked_scores(q: jax.Array, k: jax.Array, start: int, stop: int, d: int) -> jax.Array:
+    """The scores $S = Q K^\\top / \\sqrt d$ of query rows `[start, stop)` against keys
+    `[0, stop)` (heads `(B, H, T, d)`), the entries with $s > t$ set to the most negative
+    finite number."""
+    scores = jnp.einsum("bhtd,bhsd->bhts", q[..., start:stop, :], k[..., :stop, :])
+    scores = scores * (1.0 / math.sqrt(d))
+    row = jnp.arange(start, stop)[:, None]
+    col = jnp.arange(stop)[None, :]
+    # The mask depends on the scores (`| isnan`: a NaN score stays NaN, as it would
+    # anyway) so that XLA cannot hoist it out of `run`'s scan as a loop invariant:
+    # hoisted, it changes how the softmax kernel is compiled, and K `step`s and one K-step
+    # `run` would differ in the last bits.
+    causal = (col <= row) | jnp.isnan(scores)
+    return jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+
+
 def causal_mix_tiles(
     q: jax.Array, k: jax.Array, v: jax.Array, tiles: int = 1
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
@@ -111,16 +147,7 @@ def causal_mix_tiles(
     seq_len, d = q.shape[-2], q.shape[-1]
     contexts, weights = [], []
     for start, stop in _tile_bounds(seq_len, tiles):
-        scores = jnp.einsum("bhtd,bhsd->bhts", q[..., start:stop, :], k[..., :stop, :])
-        scores = scores * (1.0 / math.sqrt(d))
-        row = jnp.arange(start, stop)[:, None]
-        col = jnp.arange(stop)[None, :]
-        # The mask depends on the scores (`| isnan`: a NaN score stays NaN, as it would
-        # anyway) so that XLA cannot hoist it out of `run`'s scan as a loop invariant:
-        # hoisted, it changes how the softmax kernel is compiled, and K `step`s and one K-step
-        # `run` would differ in the last bits.
-        causal = (col <= row) | jnp.isnan(scores)
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        scores = _masked_scores(q, k, start, stop, d)
         tile_weights = jax.nn.softmax(scores, axis=-1)
         contexts.append(jnp.einsum("bhts,bhsd->bhtd", tile_weights, v[..., :stop, :]))
         weights.append(tile_weights)
@@ -191,6 +218,27 @@ def causal_mix_backward_rows(
     matmul library; written as $A^\\top dC$ they fall back to a slower generic batched dot
     (measured in docs/performance.md).
     """
+    bounds = _tile_bounds(error_rows.shape[1], len(weights))
+    return _backward_by_tiles(
+        q_rows, k, v, error_rows, n_heads, bounds, lambda i, start, stop: weights[i]
+    )
+
+
+def _backward_by_tiles(
+    q_rows: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    error_rows: jax.Array,
+    n_heads: int,
+    bounds: list[tuple[int, int]],
+    tile_weights_of: Callable[[int, int, int], jax.Array],
+    context: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The tile loop of `causal_mix_backward_rows`; `tile_weights_of(i, start, stop)` gives
+    tile $i$'s weights (cached or recomputed). With `context` (per head, `(B, H, T, d)`) the
+    softmax row sums are taken as $\\mathrm{rowsum}(dC \\odot C)$ (equal to
+    $\\mathrm{rowsum}(dA \\odot A)$ since $C = A V$; $T d$ products per head instead of
+    $T^2$), otherwise from the tile's $dA \\odot A$."""
     seq_len = error_rows.shape[1]
     d = k.shape[-1]
     # dS carries the 1/sqrt(d) of the scores; it is applied to dC (T d entries per head)
@@ -198,16 +246,18 @@ def causal_mix_backward_rows(
     scaled = _split_heads(error_rows * (1.0 / math.sqrt(d)), n_heads)
     error_t = _split_heads(error_rows, n_heads, transposed=True)
     q_t = _split_heads(q_rows, n_heads, transposed=True)
+    row_sums = None if context is None else jnp.sum(scaled * context, axis=-1, keepdims=True)
     d_q_tiles, d_k_t, d_v_t = [], None, None
-    for (start, stop), tile_weights in zip(
-        _tile_bounds(seq_len, len(weights)), weights, strict=True
-    ):
+    for i, (start, stop) in enumerate(bounds):
+        tile_weights = tile_weights_of(i, start, stop)
         d_weights = jnp.einsum(  # dA / sqrt(d)
             "bhtd,bhsd->bhts", scaled[..., start:stop, :], v[..., :stop, :]
         )
-        d_scores = tile_weights * (
-            d_weights - jnp.sum(d_weights * tile_weights, axis=-1, keepdims=True)
-        )
+        if row_sums is None:
+            tile_sums = jnp.sum(d_weights * tile_weights, axis=-1, keepdims=True)
+        else:
+            tile_sums = row_sums[..., start:stop, :]
+        d_scores = tile_weights * (d_weights - tile_sums)
         d_q_tiles.append(jnp.einsum("bhts,bhsd->bhtd", d_scores, k[..., :stop, :]))
         k_part = jnp.einsum("bhdt,bhts->bhds", q_t[..., start:stop], d_scores)
         v_part = jnp.einsum("bhdt,bhts->bhds", error_t[..., start:stop], tile_weights)
@@ -217,6 +267,101 @@ def causal_mix_backward_rows(
     # every sequence has at least one tile, so the loop has set both sums
     d_k, d_v = (_merge_heads(cast(jax.Array, a), transposed=True) for a in (d_k_t, d_v_t))
     return _merge_heads(d_q), d_k, d_v
+
+
+def dot_product_attention_available() -> bool:
+    """Whether the installed `jax.nn.dot_product_attention` can return its log-sum-exp
+    (`return_residual`, from jax 0.8.1), which `mixing="dot_product_attention"` needs."""
+    try:
+        parameters = inspect.signature(jax.nn.dot_product_attention).parameters
+    except (TypeError, ValueError):  # a signature Python cannot read: assume the keyword
+        return True
+    return "return_residual" in parameters
+
+
+def causal_mix_dot_product(
+    q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The causal mixing through `jax.nn.dot_product_attention`, on `(B, T, H, d)` arrays:
+    returns the context $C$ `(B, T, H, d)` and the log-sum-exp of each query's scores
+    $\\ell_t = \\log \\sum_{s \\le t} e^{S_{ts}}$ `(B, T, H)`, with
+    $S = Q K^\\top / \\sqrt d$ per head (the same numbers as `causal_mix` to float32
+    rounding). `implementation` goes to jax as is (`None`: jax chooses; `"xla"`, `"cudnn"`).
+    """
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        is_causal=True,
+        scale=1.0 / math.sqrt(q.shape[-1]),
+        implementation=cast(Any, implementation),
+        return_residual=True,
+    )
+
+
+def causal_mix_dot_product_backward_rows(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    context: jax.Array,
+    lse: jax.Array,
+    error_rows: jax.Array,
+    tiles: int = 1,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The backward of `causal_mix_dot_product` from Q, K, V, the context $C$ (each
+    `(B, T, H, d)`), the log-sum-exp $\\ell$ `(B, T, H)` and $dC$ as rows `(B, T, H d)`:
+    returns $dQ, dK, dV$ as rows `(B, T, H d)`.
+
+    The weights are recomputed per query tile (as in `causal_mix_tiles`; tile $i$ against
+    its key prefix $[0, b_i)$): $A_i = \\exp(S_i - \\ell_i)$, masked entries exactly 0.
+    Then the softmax-attention backward, with $D_t = \\mathrm{rowsum}(dC \\odot C)_t$:
+    $dV = A^\\top dC$, $dA = dC\\, V^\\top$, $dS = A \\odot (dA - D) / \\sqrt d$,
+    $dQ = dS\\, K$, $dK = dS^\\top Q$.
+    """
+    b, seq_len, n_heads, d = q.shape
+    q_heads, k_heads, v_heads, context_heads = (a.transpose(0, 2, 1, 3) for a in (q, k, v, context))
+    lse_heads = lse.transpose(0, 2, 1)[..., None]  # (B, H, T, 1)
+
+    def tile_weights(i: int, start: int, stop: int) -> jax.Array:
+        scores = _masked_scores(q_heads, k_heads, start, stop, d)
+        return jnp.exp(scores - lse_heads[..., start:stop, :])
+
+    return _backward_by_tiles(
+        q.reshape(b, seq_len, n_heads * d),
+        k_heads,
+        v_heads,
+        error_rows,
+        n_heads,
+        _tile_bounds(seq_len, tiles),
+        tile_weights,
+        context_heads,
+    )
+
+
+def _check_mixing(mixing: object, implementation: object) -> None:
+    """Refuses an unknown `mixing` or `mixing_implementation`, an implementation without the
+    `"dot_product_attention"` mixing, and that mixing on a jax without `return_residual`."""
+    if not isinstance(mixing, str) or mixing not in MIXINGS:
+        raise ValueError(f"MultiHeadAttention: mixing must be one of {MIXINGS}, got {mixing!r}.")
+    if implementation not in MIXING_IMPLEMENTATIONS:
+        raise ValueError(
+            "MultiHeadAttention: mixing_implementation must be one of "
+            f"{MIXING_IMPLEMENTATIONS} (passed to jax.nn.dot_product_attention as "
+            f"implementation), got {implementation!r}."
+        )
+    if implementation is not None and mixing != "dot_product_attention":
+        raise ValueError(
+            f"MultiHeadAttention: mixing_implementation={implementation!r} applies to "
+            f"mixing='dot_product_attention' only, got mixing={mixing!r}; pass "
+            "mixing='dot_product_attention' or leave mixing_implementation=None."
+        )
+    if mixing == "dot_product_attention" and not dot_product_attention_available():
+        raise ValueError(
+            "MultiHeadAttention: mixing='dot_product_attention' needs "
+            "jax.nn.dot_product_attention(return_residual=True), which this jax "
+            f"({jax.__version__}) lacks; it needs jax >= {_RESIDUAL_SINCE}. Upgrade jax or use "
+            "mixing='tiles' (the default)."
+        )
 
 
 class MultiHeadAttention(AbstractPart):
@@ -258,6 +403,20 @@ class MultiHeadAttention(AbstractPart):
     an explicit count is used for every sequence length (tiles one apart in size when it does
     not divide T, at most T tiles), so windows of any length still work, e.g. in `generate`.
 
+    **Mixing.** `mixing="tiles"` (the default) computes the mixing as above and caches the
+    weights $A$ of each tile for the backward, $O(T^2)$ per head. `mixing=
+    "dot_product_attention"` computes it with `jax.nn.dot_product_attention(is_causal=True,
+    return_residual=True)` and caches Q, K, V, $C$ and each query's log-sum-exp
+    $\\ell_t = \\log\\sum_{s \\le t} e^{S_{ts}}$ instead, $O(T d)$ per head: the backward
+    recomputes $A = \\exp(S - \\ell)$ tile by tile (`causal_tiles`) and applies the same
+    formulas, with $\\mathrm{rowsum}(dA \\odot A) = \\mathrm{rowsum}(dC \\odot C)$
+    (`causal_mix_dot_product_backward_rows`). The two mixings agree to float32 rounding.
+    `mixing_implementation` (`None`: jax chooses, XLA's in jax 0.10; `"xla"`; `"cudnn"`,
+    cuDNN's fused kernel, which takes float16 or bfloat16 Q, K, V only, checked at trace
+    time) is passed to jax as `implementation` and needs `mixing="dot_product_attention"`;
+    the option needs jax >= 0.8.1 (the first with `return_residual`), checked at
+    construction.
+
     The state is an `AttentionState` with a field per slot; the metrics are the slots' metrics
     under their names in forward order (`named(wq=..., wk=..., wv=..., wo=...)`, fused
     `named(wqkv=..., wo=...)`), so report rows read `...attention.wq`. Shapes and heads are
@@ -271,6 +430,8 @@ class MultiHeadAttention(AbstractPart):
     wqkv: AbstractPart | None
     n_heads: int = eqx.field(static=True)
     causal_tiles: int | None = eqx.field(static=True)
+    mixing: str = eqx.field(static=True)
+    mixing_implementation: str | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -281,6 +442,8 @@ class MultiHeadAttention(AbstractPart):
         n_heads: int = 1,
         wqkv: AbstractPart | None = None,
         causal_tiles: int | None = None,
+        mixing: str = "tiles",
+        mixing_implementation: str | None = None,
     ):
         given = {"wq": wq, "wk": wk, "wv": wv}
         if wo is None:
@@ -317,12 +480,15 @@ class MultiHeadAttention(AbstractPart):
                 "MultiHeadAttention: causal_tiles must be None (chosen from the sequence "
                 f"length) or an int >= 1, got {causal_tiles!r}."
             )
+        _check_mixing(mixing, mixing_implementation)
         for name, part in {**given, "wo": wo, "wqkv": wqkv}.items():
             if part is not None:
                 check_part(part, f"MultiHeadAttention.{name}")
         self.wq, self.wk, self.wv, self.wo, self.wqkv = wq, wk, wv, wo, wqkv
         self.n_heads = n_heads
         self.causal_tiles = causal_tiles
+        self.mixing = mixing
+        self.mixing_implementation = mixing_implementation
 
     @property
     def fused(self) -> bool:
@@ -421,6 +587,20 @@ class MultiHeadAttention(AbstractPart):
                     f"V; choose n_heads dividing {width} or change the slots' output width."
                 )
             tiles = self.causal_tiles or causal_tiles_for(q.shape[1])
+            if self.mixing == "dot_product_attention":
+                b, t = q.shape[:2]
+                q, k, v = (a.reshape(b, t, n_heads, width // n_heads) for a in (q, k, v))
+                if self.mixing_implementation == "cudnn" and q.dtype not in _CUDNN_DTYPES:
+                    raise ValueError(
+                        f"{where}: mixing_implementation='cudnn' needs float16 or bfloat16 "
+                        f"Q, K, V (cuDNN's fused attention), got {q.dtype}; leave "
+                        "mixing_implementation=None (or 'xla') for this dtype."
+                    )
+                context, lse = causal_mix_dot_product(q, k, v, self.mixing_implementation)
+                y, caches["wo"] = cores["wo"].forward(state.wo, context.reshape(b, t, width))
+                return y, DotProductAttentionCache(
+                    slots=AttentionSlotCaches(**caches), q=q, k=k, v=v, context=context, lse=lse
+                )
             q_rows = q
             q, k, v = (_split_heads(a, n_heads) for a in (q, k, v))
             context, weights = causal_mix_tiles(q, k, v, tiles)
@@ -429,14 +609,22 @@ class MultiHeadAttention(AbstractPart):
                 slots=AttentionSlotCaches(**caches), q=q_rows, k=k, v=v, weights=weights
             )
 
-        def backward(state: AttentionState, cache: AttentionCache, error):
+        def backward(
+            state: AttentionState, cache: AttentionCache | DotProductAttentionCache, error
+        ):
             new_states, metrics = {}, {}
             d_context, new_states["wo"], metrics["wo"] = cores["wo"].backward(
                 state.wo, cache.slots.wo, error
             )
-            d_q, d_k, d_v = causal_mix_backward_rows(
-                cache.q, cache.k, cache.v, cache.weights, d_context, n_heads
-            )
+            if isinstance(cache, DotProductAttentionCache):
+                tiles = self.causal_tiles or causal_tiles_for(cache.q.shape[1])
+                d_q, d_k, d_v = causal_mix_dot_product_backward_rows(
+                    cache.q, cache.k, cache.v, cache.context, cache.lse, d_context, tiles
+                )
+            else:
+                d_q, d_k, d_v = causal_mix_backward_rows(
+                    cache.q, cache.k, cache.v, cache.weights, d_context, n_heads
+                )
             if self.fused:
                 input_error, new_states["wqkv"], metrics["wqkv"] = cores["wqkv"].backward(
                     state.wqkv, cache.slots.wqkv, jnp.concatenate([d_q, d_k, d_v], axis=-1)

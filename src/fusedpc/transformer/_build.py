@@ -235,7 +235,7 @@ def hybrid_from_gpt(
     n_blocks = len(gpt.blocks)
     form = blocks_form(scan, n_blocks, "hybrid_from_gpt: scan")
     if learn is not None:
-        given = {
+        given: dict[str, Any] = {
             "ff_parts": ff_parts, "attention_parts": attention_parts, "head_part": head_part,
             "token_part": token_part, "position_part": position_part, "norm_parts": norm_parts,
         }
