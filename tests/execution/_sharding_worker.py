@@ -13,6 +13,11 @@ Modes:
 * `distributed`: one process of a local `jax.distributed` run (`FUSEDPC_COORDINATOR`,
   `FUSEDPC_NUM_PROCESSES`, `FUSEDPC_PROCESS_ID` set); trains 5 steps, feeding its own rows of
   each batch, and reports a digest and the norms of its weights.
+* `distributed_checkpoint FOLDER`: one process of a local `jax.distributed` run of 2 processes
+  with 2 devices each, on a mesh whose `model` axis spans the processes (`shard_widest`
+  splits a small MLP's weights across them). Trains 2 steps, saves to `FOLDER/ckpt.fpc`, loads
+  into a fresh pipeline, trains 3 more steps against 5 uninterrupted ones, saves again, and
+  checks the refusal of an altered shard file; leaves the second checkpoint in `FOLDER`.
 """
 
 from __future__ import annotations
@@ -309,6 +314,152 @@ def mode_distributed() -> dict:
     return out
 
 
+def local_blocks(pipeline) -> dict[str, dict[str, str]]:
+    """Per state leaf, the SHA-256 of every distinct block this process holds, by its index
+    (`"0:16,0:8"`); step counters included (as `counters.<name>`)."""
+    import jax
+
+    out: dict[str, dict[str, str]] = {}
+    named = {"state": pipeline.state, "counters": pipeline.counters}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(named):
+        blocks = out.setdefault(jax.tree_util.keystr(path), {})
+        for shard in leaf.addressable_shards:
+            index = ",".join(
+                f"{s.indices(d)[0]}:{s.indices(d)[1]}" for s, d in zip(shard.index, leaf.shape)
+            )
+            blocks[index] = hashlib.sha256(np.asarray(shard.data).tobytes()).hexdigest()
+    return out
+
+
+def flip_byte(file: str, entry: str) -> None:
+    """Invert the first data byte of `entry` in the zip file `file` (in place)."""
+    import zipfile
+
+    with zipfile.ZipFile(file) as zf:
+        info = zf.getinfo(entry)
+    with open(file, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = np.frombuffer(f.read(4), "<u2")
+        at = info.header_offset + 30 + int(name_length) + int(extra_length)
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def build_mlp():
+    """A learning network [16, 32, 8] with Adam: its weights and moments (512 and 256 entries)
+    are split by `shard_widest(mesh, min_size=128)`, its biases and counts are not."""
+    import jax
+    import optax
+
+    import fusedpc
+
+    network = fusedpc.PCNetwork([16, 32, 8], "tanh", key=jax.random.key(1))
+    return fusedpc.LearningNetwork(network, optimiser=optax.adam(1e-2))
+
+
+def mlp_batches() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(STEPS, BATCH, 16)).astype(np.float32)
+    ts = rng.normal(size=(STEPS, BATCH, 8)).astype(np.float32)
+    return xs, ts
+
+
+def mode_distributed_checkpoint(folder: str) -> dict:
+    from fusedpc.execution import _sharding
+
+    _sharding.initialize_distributed()
+    import jax
+    from jax.experimental.multihost_utils import sync_global_devices
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    import fusedpc
+
+    me, n = jax.process_index(), jax.process_count()
+    # Row d of the mesh holds the d-th device of every process: "data" stays inside a process,
+    # "model" spans the processes, so the widest weights are split across them.
+    by_process = [[d for d in jax.devices() if d.process_index == k] for k in range(n)]
+    mesh = Mesh(np.array(by_process).T, ("data", "model"))
+    rule = _sharding.shard_widest(mesh, min_size=128)
+    part = build_mlp()
+    xs, ts = mlp_batches()
+    rows = NamedSharding(mesh, PartitionSpec("data", None))
+
+    def pipeline():
+        return fusedpc.FusedPipeline(part, mesh=mesh, state_sharding=rule)
+
+    def feed(p, k):  # every process holds every batch; each device takes its rows
+        x, t = (
+            jax.make_array_from_callback(a[k].shape, rows, lambda i, a=a: a[k][i])
+            for a in (xs, ts)
+        )
+        p.step(x, t)
+
+    path = os.path.join(folder, "ckpt.fpc")
+    shards = path + ".shards"
+    out: dict = {"process_index": me, "process_count": n}
+    uninterrupted = pipeline()
+    out["split_leaves"] = sorted(
+        jax.tree_util.keystr(p)
+        for p, a in jax.tree_util.tree_leaves_with_path(uninterrupted.state)
+        if not a.is_fully_addressable and not a.is_fully_replicated
+    )
+    for k in range(2):
+        feed(uninterrupted, k)
+    at_two = local_blocks(uninterrupted)
+    uninterrupted.save(path, {"position": 2})
+    manifest = fusedpc.read_checkpoint_manifest(path, verify=True)
+    out["first_files"] = sorted(os.listdir(shards))
+    out["format_version"] = manifest["format_version"]
+    out["shard_files"] = manifest.get("shard_files")
+    out["split_records"] = sorted(r["path"] for r in manifest["leaves"] if "shards" in r)
+
+    # Into a fresh pipeline: the same state, placed alike; then 3 more steps against 5.
+    resumed = pipeline()
+    out["metadata"] = resumed.load(path)
+    out["loaded_identical"] = local_blocks(resumed) == at_two
+    out["loaded_sharding_kept"] = all(
+        a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        for a, b in zip(arrays(resumed.state), arrays(uninterrupted.state), strict=True)
+    )
+    out["loaded_steps"] = resumed.steps
+    for k in range(2, STEPS):
+        feed(uninterrupted, k)
+        feed(resumed, k)
+    final = local_blocks(uninterrupted)
+    out["resumed_identical"] = local_blocks(resumed) == final
+    out["moved"] = final != at_two
+
+    # A second save replaces the first: new shard files, the old ones gone.
+    resumed.save(path, {"position": STEPS})
+    out["second_files"] = sorted(os.listdir(shards))
+    out["second_manifest_files"] = fusedpc.read_checkpoint_manifest(path)["shard_files"]["files"]
+    fresh = pipeline()
+    fresh.load(path)
+    out["second_loaded_identical"] = local_blocks(fresh) == final and fresh.steps == STEPS
+
+    # An altered byte in process 1's shard file: refused everywhere, the pipeline untouched.
+    record = next(r for r in fusedpc.read_checkpoint_manifest(path)["leaves"] if "shards" in r)
+    shard = next(s for s in record["shards"] if ".process-1-of-" in s["file"])
+    target = os.path.join(shards, shard["file"])
+    out["altered"] = {"file": target, "leaf": record["path"]}
+    sync_global_devices("checkpoint saved")
+    if me == 0:
+        flip_byte(target, shard["entry"])
+    sync_global_devices("shard file altered")
+    out["verify_error"] = error_of(lambda: fusedpc.read_checkpoint_manifest(path, verify=True))
+    out["load_error"] = error_of(lambda: fresh.load(path))
+    out["untouched"] = local_blocks(fresh) == final and fresh.steps == STEPS
+    sync_global_devices("shard file read")
+    if me == 0:
+        flip_byte(target, shard["entry"])  # restored, for the test's own checks
+    sync_global_devices("shard file restored")
+    out["blocks"] = final
+    jax.distributed.shutdown()
+    return out
+
+
 def main() -> None:
     import jax
 
@@ -320,8 +471,13 @@ def main() -> None:
         result = mode_emulate()
     elif mode == "distributed":
         result = mode_distributed()
+    elif mode == "distributed_checkpoint":
+        result = mode_distributed_checkpoint(sys.argv[2])
     else:
-        raise SystemExit(f"unknown mode {mode!r}; expected mesh, emulate or distributed")
+        raise SystemExit(
+            f"unknown mode {mode!r}; expected mesh, emulate, distributed or "
+            "distributed_checkpoint"
+        )
     print("RESULT " + json.dumps(result), flush=True)
 
 

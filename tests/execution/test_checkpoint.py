@@ -178,7 +178,7 @@ def test_manifest_fields(saved):
     pipeline, path = saved
     manifest = read_checkpoint_manifest(path, verify=True)
     assert manifest["format"] == "fusedpc-checkpoint"
-    assert manifest["format_version"] == FORMAT_VERSION
+    assert manifest["format_version"] == _checkpoint.SINGLE_FILE_VERSION  # no shard files
     assert manifest["library_version"] == fusedpc.__version__
     assert manifest["jax_version"] == jax.__version__
     assert (manifest["steps"], manifest["skipped_steps"]) == (3, 0)

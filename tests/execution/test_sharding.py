@@ -9,8 +9,10 @@ per session (a module fixture) and serves several tests.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,6 +25,9 @@ from jax.sharding import PartitionSpec
 
 import fusedpc
 from fusedpc.execution import _sharding
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _sharding_worker import build_mlp, flip_byte  # noqa: E402
 
 WORKER = Path(__file__).with_name("_sharding_worker.py")
 # Every subprocess compiles the tiny GPT's step from scratch; LLVM's optimisation passes are a
@@ -309,3 +314,192 @@ def test_two_process_local_launch_trains_identical_weights(workers, mesh_result)
     for path, norm in results[0]["norms"].items():
         if not _is_key_bias(path):
             assert abs(norm - reference[path]) <= RTOL * abs(reference[path]), path
+
+
+# --------------------------------------------------------------------------- multi-host checkpoints
+@pytest.fixture(scope="module")
+def checkpoint_workers(tmp_path_factory):
+    """Two processes of a local `jax.distributed` launch (2 CPU devices each) on a mesh whose
+    `model` axis spans them; they save to and load from one shared folder, left for the
+    tests below (the second checkpoint, after 5 steps)."""
+    folder = tmp_path_factory.mktemp("multiprocess-checkpoint")
+    try:
+        port = _free_port()
+    except OSError as e:
+        pytest.skip(f"cannot open a local TCP port for the coordinator: {e}")
+    started = [
+        _Worker(
+            "distributed_checkpoint",
+            str(folder),
+            n_devices=2,
+            extra_env={
+                "FUSEDPC_COORDINATOR": f"127.0.0.1:{port}",
+                "FUSEDPC_NUM_PROCESSES": "2",
+                "FUSEDPC_PROCESS_ID": str(i),
+            },
+        )
+        for i in range(2)
+    ]
+    try:
+        yield folder, [worker.result() for worker in started]
+    finally:
+        for worker in started:
+            worker.kill()
+
+
+def _mlp_pipeline() -> fusedpc.FusedPipeline:
+    return fusedpc.FusedPipeline(build_mlp())
+
+
+def test_state_split_across_processes_saves_and_resumes_bit_for_bit(checkpoint_workers):
+    _, results = checkpoint_workers
+    for i, r in enumerate(results):
+        assert r["process_index"] == i and r["process_count"] == 2
+        # the weights and their Adam moments really are split across the two processes
+        assert ".params.weights[0]" in r["split_leaves"] and len(r["split_leaves"]) == 6
+        assert r["split_records"] == r["split_leaves"]
+        assert r["format_version"] == 2
+        files = r["shard_files"]["files"]
+        assert r["first_files"] == files and [f.split(".", 1)[1] for f in files] == [
+            "process-0-of-2.zip",
+            "process-1-of-2.zip",
+        ]
+        assert r["shard_files"]["folder"] == "ckpt.fpc.shards"
+        assert r["metadata"] == {"position": 2} and r["loaded_steps"] == 2
+        assert r["loaded_identical"] and r["loaded_sharding_kept"]  # every local block, bit-exact
+        assert r["moved"] and r["resumed_identical"]  # 2 + 3 steps == 5 uninterrupted steps
+    assert results[0]["shard_files"] == results[1]["shard_files"]
+
+
+def test_second_save_replaces_the_first_and_its_shard_files(checkpoint_workers):
+    _, results = checkpoint_workers
+    for r in results:
+        assert r["second_files"] == r["second_manifest_files"]
+        assert not set(r["second_files"]) & set(r["first_files"])  # the first's are removed
+        assert r["second_loaded_identical"]
+
+
+def test_altered_shard_file_is_refused_in_every_process(checkpoint_workers):
+    _, results = checkpoint_workers
+    altered = results[0]["altered"]
+    for r in results:
+        assert r["verify_error"].startswith("CheckpointError: checkpoint ")
+        assert f"shard file {altered['file']!r} is corrupted" in r["verify_error"]
+        assert f"leaf {altered['leaf']} block [" in r["verify_error"]
+        assert r["untouched"]  # load refused, state and counters as they were
+    # process 1 reads that file (its devices hold those blocks); process 0 is told
+    assert results[1]["load_error"] == results[1]["verify_error"]
+    assert results[0]["load_error"].startswith("CheckpointError: checkpoint ")
+    assert "refused by process(es) [1]" in results[0]["load_error"]
+
+
+def test_multi_process_checkpoint_loads_into_one_process(checkpoint_workers):
+    folder, results = checkpoint_workers
+    pipeline = _mlp_pipeline()
+    assert pipeline.load(str(folder / "ckpt.fpc")) == {"position": 5}
+    named = {"state": pipeline.state, "counters": pipeline.counters}
+    values = {
+        jax.tree_util.keystr(p): np.asarray(a)
+        for p, a in jax.tree_util.tree_leaves_with_path(named)
+    }
+    compared = 0
+    for r in results:  # every block either process held after 5 steps, bit for bit
+        assert set(r["blocks"]) == set(values)
+        for path, blocks in r["blocks"].items():
+            for index, digest in blocks.items():
+                region = tuple(slice(*map(int, b.split(":"))) for b in index.split(",") if b)
+                assert hashlib.sha256(values[path][region].tobytes()).hexdigest() == digest, path
+                compared += 1
+    assert compared >= 2 * len(values)
+    # saved again from one process: one file, the shard folder removed
+    copy = folder.parent / (folder.name + "-single")
+    shutil.copytree(folder, copy)
+    pipeline.save(str(copy / "ckpt.fpc"))
+    assert sorted(os.listdir(copy)) == ["ckpt.fpc"]
+    assert fusedpc.read_checkpoint_manifest(copy / "ckpt.fpc", verify=True)["format_version"] == 1
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "altered"])
+def test_damaged_shard_file_is_refused_naming_it_and_the_leaf(checkpoint_workers, tmp_path, damage):
+    folder, _ = checkpoint_workers
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    path = copy / "ckpt.fpc"
+    manifest = fusedpc.read_checkpoint_manifest(path, verify=True)
+    record = next(r for r in manifest["leaves"] if "shards" in r)
+    shard = record["shards"][-1]
+    target = copy / manifest["shard_files"]["folder"] / shard["file"]
+    if damage == "missing":
+        target.unlink()
+    elif damage == "truncated":
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    else:
+        flip_byte(str(target), shard["entry"])
+    pipeline = _mlp_pipeline()
+    before = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(pipeline.state)]
+    fusedpc.read_checkpoint_manifest(path)  # the manifest alone still reads
+    for attempt in (
+        lambda: fusedpc.read_checkpoint_manifest(path, verify=True),
+        lambda: pipeline.load(str(path)),
+    ):
+        with pytest.raises(fusedpc.CheckpointError) as caught:
+            attempt()
+        message = str(caught.value)
+        assert repr(str(target)) in message and "shard file" in message
+        assert f"leaf {record['path']} block [" in message  # the first leaf that file holds
+        assert ("does not exist" if damage == "missing" else "corrupted or truncated") in message
+    after = [np.asarray(a) for a in jax.tree_util.tree_leaves(pipeline.state)]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    assert pipeline.steps == 0
+
+
+def _first_split(manifest: dict) -> dict:
+    return next(r for r in manifest["leaves"] if "shards" in r)
+
+
+def _blocks_overlap(m: dict) -> dict:
+    _first_split(m)["shards"][1]["index"] = _first_split(m)["shards"][0]["index"]
+    return m
+
+
+def _block_missing(m: dict) -> dict:
+    del _first_split(m)["shards"][1]
+    return m
+
+
+def _folder_escapes(m: dict) -> dict:
+    m["shard_files"]["folder"] = "../elsewhere"
+    return m
+
+
+def _file_unlisted(m: dict) -> dict:
+    _first_split(m)["shards"][0]["file"] = "0123456789abcdef.process-7-of-8.zip"
+    return m
+
+
+@pytest.mark.parametrize(
+    "change, detail",
+    [
+        (_blocks_overlap, "its blocks do not tile its shape"),
+        (_block_missing, "its blocks do not tile its shape"),
+        (_folder_escapes, "not shard files"),
+        (_file_unlisted, "names the unlisted file"),
+    ],
+)
+def test_malformed_shard_table_is_refused(checkpoint_workers, tmp_path, change, detail):
+    import zipfile
+
+    folder, _ = checkpoint_workers
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    path = copy / "ckpt.fpc"
+    with zipfile.ZipFile(path) as zf:
+        entries = {name: zf.read(name) for name in zf.namelist()}
+    manifest = change(json.loads(entries["manifest.json"]))
+    entries["manifest.json"] = json.dumps(manifest).encode()
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in entries.items():
+            zf.writestr(name, data)
+    with pytest.raises(fusedpc.CheckpointError, match="corrupted or truncated") as caught:
+        _mlp_pipeline().load(str(path))
+    assert detail in str(caught.value)
