@@ -687,3 +687,22 @@ def test_reports_pasted_flag_reproduces_its_multipliers(tiny_run, tmp_path, caps
     second = {k: float(v) for k, v in (item.split("=") for item in pasted.split(","))}
     for slot, value in second.items():
         assert value == pytest.approx(printed[slot] * expected[slot], rel=1e-2)
+
+
+def test_dtype_and_mixing_flags_reach_the_model_config():
+    from fusedpc.cli._parser import build_parser
+
+    args = build_parser().parse_args(
+        ["train", "--dtype", "bf16", "--attention-mixing", "dot_product_attention"]
+    )
+    assert args.compute_dtype == "bf16" and args.attention_mixing == "dot_product_attention"
+    spelled = build_parser().parse_args(["train", "--compute-dtype", "bfloat16"])
+    assert spelled.compute_dtype == "bfloat16"
+    config = _config.config_from_settings({"compute_dtype": "bf16"})
+    assert config.model.compute_dtype == "bf16"
+    part, _ = fusedpc.build_gpt(dataclasses.replace(config.model, vocab_size=11, width=16,
+                                                    n_heads=2, ff_width=16, max_len=8),
+                                None, jax.random.key(0))
+    assert part.compute_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="GPTConfig.compute_dtype"):
+        _config.config_from_settings({"compute_dtype": "float16"}).model.validate()

@@ -71,6 +71,7 @@ class BenchArgs:
     interleave: bool = False
     host_memory: str = "auto"
     seed: int = 0
+    dtype: str = "float32"
 
     def __post_init__(self):
         for name in ("vocab", "width", "heads", "seq", "batch", "steps", "k", "devices"):
@@ -99,6 +100,7 @@ class BenchArgs:
             "optimiser": OPTIMISERS,
             "nonfinite": ("skip", "raise", "ignore"),
             "host_memory": HOST_MEMORY_MODES,
+            "dtype": ("float32", "bfloat16"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -260,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(reuse when the step's estimated temporaries reach 128 MiB; the default)",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="PRNG seed of weights and batches")
+    p.add_argument(
+        "--dtype", type=lambda s: "bfloat16" if s == "bf16" else s, default=d.dtype,
+        help="compute dtype of the fused step and the twin: float32, or bfloat16 (bf16): "
+        "activations and matrix products in bfloat16, weights and optimiser state float32",
+    )
     # A measuring process: reads its task and the parent's BenchArgs from stdin (_workers).
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p

@@ -22,6 +22,7 @@ def config_fields(args: BenchArgs, blocks: int) -> dict[str, Any]:
         "optimiser": args.optimiser,
         "lr": args.lr,
         "nonfinite": args.nonfinite,
+        "dtype": args.dtype,
         "steps": args.steps,
         "devices": args.devices,
     }

@@ -101,6 +101,7 @@ class Setup:
         return fusedpc.GPTConfig(
             vocab_size=args.vocab, width=args.width, n_heads=args.heads, n_blocks=self.blocks,
             ff_width=args.ff_width, max_len=args.seq, learn=args.learning, scan=scan,
+            compute_dtype=args.dtype,
         )
 
     def build(self, scan: bool | str):
@@ -184,7 +185,7 @@ def prepare_variant(args: BenchArgs, variant: str, blocks: int) -> tuple[Callabl
 
     if variant == "backprop":
         _, _, reference = setup.build(scan=True)
-        step = make_backprop_step(setup.optimiser)
+        step = make_backprop_step(setup.optimiser, compute_dtype=setup.args.dtype)
         holder = {"model": reference, "opt": None}
         if setup.mesh is not None:
             replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())

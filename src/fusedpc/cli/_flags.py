@@ -24,6 +24,10 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--fused-qkv", "true: the learning query, key and value projections as one fused part"),
     ("--hidden-precision", "precision of the feed-forward's hidden-layer errors"),
     ("--scan", "how blocks run: auto (unrolled up to 4, scanned beyond), true or false"),
+    ("--attention-mixing", "tiles (cached weights), or dot_product_attention "
+     "(jax.nn.dot_product_attention; no T x T cache, for GPUs)"),
+    ("--compute-dtype", "float32, or bfloat16 (also --dtype bf16): activations and matrix "
+     "products in bfloat16, weights and optimiser state float32"),
     ("--optimiser", "adam, adamw or sgd"),
     ("--lr", "learning rate"),
     ("--weight-decay", "weight decay of adamw"),
@@ -57,6 +61,9 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
 
 
 ALIASES: dict[str, str] = {"--heads": "--n-heads", "--blocks": "--n-blocks", "--seq": "--max-len"}
+
+SPELLINGS: dict[str, str] = {"--compute-dtype": "--dtype"}
+"""Shorter spellings of flags, accepted alongside them."""
 """The flags of fusedpc 0.1, still accepted: each is another spelling of the flag it names."""
 
 

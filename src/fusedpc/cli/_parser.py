@@ -6,7 +6,14 @@ import argparse
 import sys
 
 from fusedpc.cli._commands import eval_command, report_command, sample_command, train_command
-from fusedpc.cli._flags import ALIASES, CONFIG_FLAGS, parse_bool, parse_scan, setting_name
+from fusedpc.cli._flags import (
+    ALIASES,
+    CONFIG_FLAGS,
+    SPELLINGS,
+    parse_bool,
+    parse_scan,
+    setting_name,
+)
 from fusedpc.training import HOST_MEMORY_MODES
 from fusedpc.training._runtime import PLATFORMS
 
@@ -62,6 +69,8 @@ def build_parser() -> _Parser:
             kind, "PATH" if field == "text" else "NAME"
         )
         flags = [flag, old_spelling[flag]] if flag in old_spelling else [flag]
+        if flag in SPELLINGS:
+            flags.append(SPELLINGS[flag])
         default_text = str(default).lower() if isinstance(default, bool) else default
         train.add_argument(*flags, dest=field, type=kind, default=None, metavar=metavar,
                            help=f"{text} (default {default_text})",

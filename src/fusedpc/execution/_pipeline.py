@@ -66,6 +66,9 @@ class FusedPipeline:
             mean of committed losses, from the 10th committed step on. None: no guard.
         clip_global_norm: global gradient-norm clipping over every part that learns through
             optax, as `optax.clip_by_global_norm` in a backprop step (`fusedpc.make_step`).
+        compute_dtype: `"bfloat16"` runs activations and matrix products in bfloat16 with
+            float32 parameters, optimiser states, norms and loss (`fusedpc.make_step`);
+            None (float32) by default. Outputs and input errors come back in float32.
         mesh: a `jax.sharding.Mesh` with a `"data"` axis (e.g. `fusedpc.data_mesh()`): batches
             are sharded over it and the state replicated, so every row mean becomes a
             cross-device reduction inserted by the compiler. Its axes are used as `Auto`.
@@ -92,6 +95,7 @@ class FusedPipeline:
         max_update_ratio: float | None = None,
         loss_spike: float | None = None,
         clip_global_norm: float | None = None,
+        compute_dtype: Any = None,
         mesh: jax.sharding.Mesh | None = None,
         state_sharding: _sharding.StateSharding | None = None,
         check_device_ids: bool = False,
@@ -106,7 +110,9 @@ class FusedPipeline:
             max_update_ratio=max_update_ratio,
             loss_spike=loss_spike,
             clip_global_norm=clip_global_norm,
+            compute_dtype=compute_dtype,
         )
+        self.compute_dtype = self.program.compute_dtype
         self.max_update_ratio = self.program.max_update_ratio
         self.loss_spike = self.program.loss_spike
         self.error_fn = self.program.error_fn

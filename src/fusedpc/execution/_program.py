@@ -45,6 +45,7 @@ from fusedpc.core._metrics import (
     tree_norm,
 )
 from fusedpc.core._part import AbstractPart, Core, PyTree
+from fusedpc.core._precision import computing_in, resolve_compute_dtype, widened
 
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 NORMALISATIONS = ("active", "rows")
@@ -284,6 +285,8 @@ class StepProgram:
         max_update_ratio: the spike guard's bound on any part's update / weight norm, or None.
         loss_spike: the loss guard's factor over the running mean loss, or None.
         clip_global_norm: the bound of global gradient-norm clipping, or None.
+        compute_dtype: `"bfloat16"` when activations and matrix products run in bfloat16,
+            None for float32.
     """
 
     def __init__(
@@ -296,8 +299,10 @@ class StepProgram:
         max_update_ratio: float | None = None,
         loss_spike: float | None = None,
         clip_global_norm: float | None = None,
+        compute_dtype: str | None = None,
     ):
         self.tree = tree
+        self.compute_dtype = compute_dtype
         self.clip_global_norm = clip_global_norm
         self.core = core
         self.error_fn = error_fn
@@ -313,6 +318,7 @@ class StepProgram:
                 ("max_update_ratio", self.max_update_ratio),
                 ("loss_spike", self.loss_spike),
                 ("clip_global_norm", self.clip_global_norm),
+                ("compute_dtype", self.compute_dtype),
             )
             if value is not None
         )
@@ -371,7 +377,7 @@ class StepProgram:
         state bit for bit and counts in `counters.skipped` and `counters.skips`.
         """
         state, counters = carry.state, carry.counters
-        y, cache = self.core.forward(state, x)
+        y, cache = self._forward(state, x)
         checks = self.input_checks(x, target, int(jnp.shape(y)[-1]))
         error = self.error_fn.error(y, target)
         weights = None
@@ -424,7 +430,24 @@ class StepProgram:
         )
         return StepCarry(new_state, counters), StepOutput(y, input_error, metrics)
 
+    def _forward(self, state: PyTree, x: Any) -> tuple[Any, PyTree]:
+        """The forward walk in the compute dtype; the output handed back in float32."""
+        with computing_in(self.compute_dtype):
+            y, cache = self.core.forward(state, x)
+        if self.compute_dtype is not None:
+            y = jax.tree_util.tree_map(widened, y)
+        return y, cache
+
     def _backward(self, state: PyTree, cache: PyTree, error: jax.Array):
+        """The backward walk in the compute dtype (the input error handed back in float32);
+        see `_walk_backward`."""
+        with computing_in(self.compute_dtype):
+            input_error, new_state, metrics = self._walk_backward(state, cache, error)
+        if self.compute_dtype is not None:
+            input_error = jax.tree_util.tree_map(widened, input_error)
+        return input_error, new_state, metrics
+
+    def _walk_backward(self, state: PyTree, cache: PyTree, error: jax.Array):
         """The backward walk; with `clip_global_norm`, twice: once to read every optax
         part's gradient norm (its updates discarded, so the compiler drops them), then with
         every gradient clipped by the global norm, as `optax.clip_by_global_norm` clips the
@@ -472,12 +495,12 @@ class StepProgram:
     def predict(self, state: PyTree, x: Any) -> Any:
         """The forward walk only: the tree's output for `x` under `state`. Out-of-range token
         ids give NaN rows (see `checked_predict` for the flag)."""
-        return self.core.forward(state, x)[0]
+        return self._forward(state, x)[0]
 
     def checked_predict(self, state: PyTree, x: Any) -> tuple[Any, tuple[IdRangeCheck, ...]]:
         """`predict` with the in-program checks of `x` (token ids in range, ...): read
         `all(c.ok for c in checks)` when you need to know, which costs one scalar read."""
-        return self.core.forward(state, x)[0], tuple(self.tree.input_checks(x, ""))
+        return self._forward(state, x)[0], tuple(self.tree.input_checks(x, ""))
 
     def write_back(self, state: PyTree) -> AbstractPart:
         """The tree holding `state` (pass a copy if the state's buffers will be donated)."""
@@ -504,6 +527,7 @@ def make_step(
     max_update_ratio: float | None = None,
     loss_spike: float | None = None,
     clip_global_norm: float | None = None,
+    compute_dtype: Any = None,
 ) -> StepProgram:
     """Compile a part tree into its pure training step.
 
@@ -530,6 +554,12 @@ def make_step(
             through optax (`synaptic_uncertainty`, parts of your own) are neither counted nor
             clipped. The backward walk is traced twice; the compiler shares what the two have
             in common except inside scanned blocks.
+        compute_dtype: `None` or `"float32"` (the default: everything in float32), or
+            `"bfloat16"`: activations, caches, errors between parts and the operands of
+            matrix products in bfloat16, products accumulated in float32; parameters,
+            optimiser states, weight gradients, LayerNorm and softmax statistics, the norms
+            and the loss in float32. Parts read it through `fusedpc.core.to_compute` and
+            `fusedpc.core.matmul` (a part of your own that does not computes in float32).
 
     Returns:
         A `StepProgram` with pure `init(key)`, `step(carry, x, target, mask)`,
@@ -559,6 +589,7 @@ def make_step(
         _check_bound("max_update_ratio", max_update_ratio, 0.0),
         loss_spike,
         _check_bound("clip_global_norm", clip_global_norm, 0.0),
+        resolve_compute_dtype(compute_dtype),
     )
 
 

@@ -23,6 +23,7 @@ from fusedpc.core._part import (
     join_path,
     replace_fields,
 )
+from fusedpc.core._precision import einsum, to_compute, widened
 
 _SEPARATE = ("wq", "wk", "wv")
 _LAYOUT = "(batch, seq, features)"
@@ -119,7 +120,8 @@ def _masked_scores(q: jax.Array, k: jax.Array, start: int, stop: int, d: int) ->
     """The scores $S = Q K^\\top / \\sqrt d$ of query rows `[start, stop)` against keys
     `[0, stop)` (heads `(B, H, T, d)`), the entries with $s > t$ set to the most negative
     finite number."""
-    scores = jnp.einsum("bhtd,bhsd->bhts", q[..., start:stop, :], k[..., :stop, :])
+    # float32 scores whatever the compute dtype (the softmax reads them)
+    scores = einsum("bhtd,bhsd->bhts", q[..., start:stop, :], k[..., :stop, :], accumulate=True)
     scores = scores * (1.0 / math.sqrt(d))
     row = jnp.arange(start, stop)[:, None]
     col = jnp.arange(stop)[None, :]
@@ -148,8 +150,8 @@ def causal_mix_tiles(
     contexts, weights = [], []
     for start, stop in _tile_bounds(seq_len, tiles):
         scores = _masked_scores(q, k, start, stop, d)
-        tile_weights = jax.nn.softmax(scores, axis=-1)
-        contexts.append(jnp.einsum("bhts,bhsd->bhtd", tile_weights, v[..., :stop, :]))
+        tile_weights = to_compute(jax.nn.softmax(scores, axis=-1))
+        contexts.append(einsum("bhts,bhsd->bhtd", tile_weights, v[..., :stop, :]))
         weights.append(tile_weights)
     context = contexts[0] if len(contexts) == 1 else jnp.concatenate(contexts, axis=-2)
     return context, tuple(weights)
@@ -246,21 +248,23 @@ def _backward_by_tiles(
     scaled = _split_heads(error_rows * (1.0 / math.sqrt(d)), n_heads)
     error_t = _split_heads(error_rows, n_heads, transposed=True)
     q_t = _split_heads(q_rows, n_heads, transposed=True)
-    row_sums = None if context is None else jnp.sum(scaled * context, axis=-1, keepdims=True)
+    row_sums = None if context is None else jnp.sum(
+        widened(scaled) * widened(context), axis=-1, keepdims=True
+    )
     d_q_tiles, d_k_t, d_v_t = [], None, None
     for i, (start, stop) in enumerate(bounds):
-        tile_weights = tile_weights_of(i, start, stop)
-        d_weights = jnp.einsum(  # dA / sqrt(d)
-            "bhtd,bhsd->bhts", scaled[..., start:stop, :], v[..., :stop, :]
+        tile_weights = widened(tile_weights_of(i, start, stop))
+        d_weights = einsum(  # dA / sqrt(d), in float32 whatever the compute dtype
+            "bhtd,bhsd->bhts", scaled[..., start:stop, :], v[..., :stop, :], accumulate=True
         )
         if row_sums is None:
             tile_sums = jnp.sum(d_weights * tile_weights, axis=-1, keepdims=True)
         else:
             tile_sums = row_sums[..., start:stop, :]
         d_scores = tile_weights * (d_weights - tile_sums)
-        d_q_tiles.append(jnp.einsum("bhts,bhsd->bhtd", d_scores, k[..., :stop, :]))
-        k_part = jnp.einsum("bhdt,bhts->bhds", q_t[..., start:stop], d_scores)
-        v_part = jnp.einsum("bhdt,bhts->bhds", error_t[..., start:stop], tile_weights)
+        d_q_tiles.append(einsum("bhts,bhsd->bhtd", d_scores, k[..., :stop, :]))
+        k_part = einsum("bhdt,bhts->bhds", q_t[..., start:stop], d_scores)
+        v_part = einsum("bhdt,bhts->bhds", error_t[..., start:stop], tile_weights)
         d_k_t = _add_to_prefix(d_k_t, k_part, seq_len)
         d_v_t = _add_to_prefix(d_v_t, v_part, seq_len)
     d_q = d_q_tiles[0] if len(d_q_tiles) == 1 else jnp.concatenate(d_q_tiles, axis=-2)
@@ -320,7 +324,7 @@ def causal_mix_dot_product_backward_rows(
     """
     b, seq_len, n_heads, d = q.shape
     q_heads, k_heads, v_heads, context_heads = (a.transpose(0, 2, 1, 3) for a in (q, k, v, context))
-    lse_heads = lse.transpose(0, 2, 1)[..., None]  # (B, H, T, 1)
+    lse_heads = widened(lse).transpose(0, 2, 1)[..., None]  # (B, H, T, 1)
 
     def tile_weights(i: int, start: int, stop: int) -> jax.Array:
         scores = _masked_scores(q_heads, k_heads, start, stop, d)

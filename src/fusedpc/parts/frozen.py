@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from fusedpc.core._checks import lookup_rows
 from fusedpc.core._part import LayerNormParams, LinearParams, TableParams
+from fusedpc.core._precision import matmul, to_compute, widened
 from fusedpc.parts._activations import get_activation
 from fusedpc.parts._frozen import Frozen
 
@@ -22,15 +23,15 @@ __all__ = ["activation", "embedding", "gelu", "layer_norm", "linear", "relu", "s
 
 
 def _linear_forward(params: LinearParams, x):
-    y = x @ params.weight.T
+    y = matmul(x, params.weight.T)
     if params.bias is not None:
-        y = y + params.bias
+        y = y + to_compute(params.bias)
     return y, None
 
 
 def _linear_backward(params: LinearParams, cache, error):
     del cache
-    return error @ params.weight
+    return matmul(error, params.weight)
 
 
 def linear(
@@ -142,7 +143,9 @@ def layer_norm_forward(params: LayerNormParams, x, eps: float):
     """Per row: $m$ = mean, $s = \\sqrt{\\mathrm{var} + \\epsilon}$ (biased variance),
     $\\hat n = (x - m)/s$, $y = \\gamma \\hat n + \\beta$ (`params.weight` $\\gamma$ and
     `params.bias` $\\beta$, each `(D,)` or None; `eps` $\\epsilon$ a Python float).
-    Returns `(y, LayerNormCache(n_hat, 1/s))`."""
+    Returns `(y, LayerNormCache(n_hat, 1/s))`. The statistics are taken in float32 whatever
+    the compute dtype; `y` and $\\hat n$ are held in it."""
+    x = widened(x)
     mean = jnp.mean(x, axis=-1, keepdims=True)
     centred = x - mean
     var = jnp.mean(centred * centred, axis=-1, keepdims=True)
@@ -153,17 +156,18 @@ def layer_norm_forward(params: LayerNormParams, x, eps: float):
         y = y * params.weight
     if params.bias is not None:
         y = y + params.bias
-    return y, LayerNormCache(n_hat, inv_std)
+    return to_compute(y), LayerNormCache(to_compute(n_hat), inv_std)
 
 
 def layer_norm_input_error(weight, cache: LayerNormCache, error):
     """$e_s = E \\odot \\gamma$; $\\partial L/\\partial x = (e_s - \\overline{e_s}
     - \\hat n\\, \\overline{e_s \\odot \\hat n}) / s$ (bars: means over the features)."""
-    n_hat, inv_std = cache.n_hat, cache.inv_std
+    n_hat, inv_std = widened(cache.n_hat), cache.inv_std
+    error = widened(error)
     scaled = error if weight is None else error * weight
     mean_e = jnp.mean(scaled, axis=-1, keepdims=True)
     mean_en = jnp.mean(scaled * n_hat, axis=-1, keepdims=True)
-    return (scaled - mean_e - n_hat * mean_en) * inv_std
+    return to_compute((scaled - mean_e - n_hat * mean_en) * inv_std)
 
 
 @functools.cache
@@ -212,7 +216,7 @@ def layer_norm(
 def _embedding_forward(params: TableParams, ids):
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"expected integer ids, got dtype {ids.dtype}")
-    return lookup_rows(params.table, ids), None
+    return to_compute(lookup_rows(params.table, ids)), None
 
 
 def _embedding_backward(params, cache, error):

@@ -25,7 +25,7 @@ SYNAPTIC = "synaptic_uncertainty"
 
 MODEL_SETTINGS = (
     "width", "n_heads", "n_blocks", "ff_width", "max_len", "learn", "learning_kind", "window",
-    "head_kind", "fused_qkv", "hidden_precision", "scan",
+    "head_kind", "fused_qkv", "hidden_precision", "scan", "attention_mixing", "compute_dtype",
 )
 """The settings of `TrainConfig.model`: `GPTConfig` fields by their own names, and `window`."""
 
@@ -67,7 +67,10 @@ class TrainConfig:
             list of `token, position, attention, feed_forward, norm, head`; `learning_kind`:
             `"precision_weighted"`, `"standard"` or `"synaptic_uncertainty"` (which needs
             `window` >= 1); `head_kind`: `"gaussian"` (logits) or `"categorical"`
-            (probabilities); `fused_qkv`, `hidden_precision`, `scan` as in `GPTConfig`.
+            (probabilities); `fused_qkv`, `hidden_precision`, `scan`, `attention_mixing`
+            (`"tiles"` or `"dot_product_attention"`) and `compute_dtype` (`"float32"` or
+            `"bfloat16"`: activations and matrix products in bfloat16, weights, optimiser
+            state, norms and loss in float32) as in `GPTConfig`.
         optimiser: [optimiser] `"adam"`, `"adamw"` or `"sgd"` (`make_optimiser`).
         lr: [optimiser] the learning rate.
         weight_decay: [optimiser] the weight decay (adamw).

@@ -19,8 +19,9 @@ import optax
 
 from fusedpc.core._checks import check_part
 from fusedpc.core._part import AbstractPart, LayerNormParams, LinearParams, TableParams
+from fusedpc.core._precision import resolve_compute_dtype
 from fusedpc.parts import frozen, transplant
-from fusedpc.parts._attention import MultiHeadAttention
+from fusedpc.parts._attention import MIXINGS, MultiHeadAttention
 from fusedpc.parts._compose import Sequential
 from fusedpc.parts._repeat import Repeat
 from fusedpc.transformer._gpt import Blocks, GPTPart, TransformerBlock
@@ -67,7 +68,9 @@ def _per_block(value: Any, n_blocks: int, what: str) -> list:
     return value
 
 
-def _attention_part(attn, given: dict | None, where: str) -> MultiHeadAttention:
+def _attention_part(
+    attn, given: dict | None, where: str, mixing: str = "tiles"
+) -> MultiHeadAttention:
     given = dict(given or {})
     unknown = sorted(set(given) - set(_ATTENTION_KEYS))
     if unknown:
@@ -81,11 +84,12 @@ def _attention_part(attn, given: dict | None, where: str) -> MultiHeadAttention:
                 f"hybrid_from_gpt: {where} gives 'wqkv' together with separate wq/wk/wv; give "
                 "one or the other."
             )
-        return MultiHeadAttention(wqkv=given["wqkv"], wo=wo, n_heads=attn.n_heads)
+        return MultiHeadAttention(wqkv=given["wqkv"], wo=wo, n_heads=attn.n_heads,
+                                  mixing=mixing)
     slots: dict[str, Any] = {
         name: given.get(name) or frozen.linear(getattr(attn, name)) for name in ("wq", "wk", "wv")
     }
-    return MultiHeadAttention(**slots, wo=wo, n_heads=attn.n_heads)
+    return MultiHeadAttention(**slots, wo=wo, n_heads=attn.n_heads, mixing=mixing)
 
 
 _SLOT_ARGUMENTS = {
@@ -193,6 +197,8 @@ def hybrid_from_gpt(
     learning_kwargs: dict | None = None,
     hidden_precision: float = 1.0,
     fused_qkv: bool = False,
+    attention_mixing: str = "tiles",
+    compute_dtype: Any = None,
     scan: bool | str = "auto",
     output: str = "logits",
 ) -> GPTPart:
@@ -211,6 +217,11 @@ def hybrid_from_gpt(
       `"wk"`, `"wv"`, `"wo"`, or `"wqkv"` and optionally `"wo"`) replace block i's slots;
       either may also be a callable of the block index. `norm_parts(ln)` is applied to every
       LayerNorm (`n1`, `n2`, `norm_f`); `head_part`, `token_part`, `position_part`.
+
+    `attention_mixing` is every attention's `MultiHeadAttention(mixing=...)` (`"tiles"`, or
+    `"dot_product_attention"` for `jax.nn.dot_product_attention`, no T x T cache);
+    `compute_dtype="bfloat16"` runs the GPT in bfloat16 with float32 parameters
+    (`GPTPart(compute_dtype=...)`).
 
     Structurally identical blocks are held by a `Repeat` (their states stacked); optimisers
     made separately by the same call (`optax.adam(1e-3)` in a loop) count as identical, see
@@ -260,7 +271,8 @@ def hybrid_from_gpt(
         blocks.append(
             TransformerBlock(
                 n1=check_part(norm(block.n1), f"{where}.n1"),
-                attention=_attention_part(block.attn, attn, f"attention_parts[{i}]"),
+                attention=_attention_part(block.attn, attn, f"attention_parts[{i}]",
+                                          attention_mixing),
                 n2=check_part(norm(block.n2), f"{where}.n2"),
                 feed_forward=check_part(ff, f"{where}.feed_forward"),
             )
@@ -295,6 +307,7 @@ def hybrid_from_gpt(
         vocab_size=gpt.vocab_size,
         max_len=gpt.max_len,
         output=output,
+        compute_dtype=compute_dtype,
     )
 
 
@@ -308,6 +321,8 @@ class GPTConfig:
     outputs probabilities (error `cross_entropy`); both give the cross-entropy gradient.
     `scan` is `hybrid_from_gpt`'s: `"auto"` (unrolled up to `AUTO_UNROLL_BLOCKS` blocks,
     scanned beyond), `True` (always scanned) or `False` (a `Blocks` chain).
+    `attention_mixing` (`"tiles"` or `"dot_product_attention"`) and `compute_dtype`
+    (`"float32"`, or `"bfloat16"`, also spelt `"bf16"`) are `hybrid_from_gpt`'s too.
     """
 
     vocab_size: int = 65
@@ -323,6 +338,8 @@ class GPTConfig:
     head_kind: str = "gaussian"
     hidden_precision: float = 1.0
     scan: bool | str = "auto"
+    attention_mixing: str = "tiles"
+    compute_dtype: str = "float32"
 
     def learning_slots(self) -> tuple[str, ...]:
         learn = self.learn
@@ -351,6 +368,12 @@ class GPTConfig:
                 f"GPTConfig.head_kind must be 'gaussian' or 'categorical', got {self.head_kind!r}."
             )
         blocks_form(self.scan, self.n_blocks, "GPTConfig.scan")
+        if self.attention_mixing not in MIXINGS:
+            raise ValueError(
+                f"GPTConfig.attention_mixing must be one of {MIXINGS}, got "
+                f"{self.attention_mixing!r}."
+            )
+        resolve_compute_dtype(self.compute_dtype, "GPTConfig.compute_dtype")
         self.learning_slots()
 
     @property
@@ -395,6 +418,8 @@ def build_gpt(
         learning_kwargs=config.learning_kwargs,
         hidden_precision=config.hidden_precision,
         fused_qkv=config.fused_qkv,
+        attention_mixing=config.attention_mixing,
+        compute_dtype=config.compute_dtype,
         scan=config.scan,
         output="probabilities" if config.head_kind == "categorical" else "logits",
     )

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from fusedpc.core._checks import check_ids, check_part, id_range_check
 from fusedpc.core._metrics import Named, named
 from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
+from fusedpc.core._precision import computing_in, resolve_compute_dtype, widened
 from fusedpc.parts._compose import SequentialCache
 
 _BLOCK_SLOTS = ("n1", "attention", "n2", "feed_forward")
@@ -206,6 +207,10 @@ class GPTPart(AbstractPart):
         norm_f, head: the final LayerNorm and the head (any parts).
         vocab_size, max_len: checked against the ids before anything is compiled.
         output: `"logits"` or `"probabilities"` (a categorical learning head); `generate` reads it.
+        compute_dtype: `"bfloat16"` runs the whole GPT's activations and matrix products in
+            bfloat16 (parameters, optimiser states, norms and the loss in float32; the
+            output in float32), as `FusedPipeline(compute_dtype=...)` does for any tree;
+            None (float32) by default.
     """
 
     token: AbstractPart
@@ -216,9 +221,10 @@ class GPTPart(AbstractPart):
     vocab_size: int = eqx.field(static=True)
     max_len: int = eqx.field(static=True)
     output: str = eqx.field(static=True)
+    compute_dtype: str | None = eqx.field(static=True, default=None)
 
     def __init__(self, token, position, blocks, norm_f, head, *, vocab_size, max_len,
-                 output="logits"):
+                 output="logits", compute_dtype=None):
         self.token = check_part(token, "GPTPart.token")
         self.position = check_part(position, "GPTPart.position")
         if isinstance(blocks, list | tuple):
@@ -233,6 +239,7 @@ class GPTPart(AbstractPart):
                 f"GPTPart: output must be 'logits' or 'probabilities', got {output!r}."
             )
         self.output = output
+        self.compute_dtype = resolve_compute_dtype(compute_dtype, "GPTPart: compute_dtype")
 
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         return tuple((name, getattr(self, name)) for name in _GPT_SLOTS)
@@ -275,6 +282,15 @@ class GPTPart(AbstractPart):
         head = self.head.compile(join_path(path, "head"))
 
         def forward(state: GPTState, ids):
+            with computing_in(self.compute_dtype):
+                out, cache = walk_forward(state, ids)
+            return (out if self.compute_dtype is None else widened(out)), cache
+
+        def backward(state: GPTState, cache: GPTCache, error):
+            with computing_in(self.compute_dtype):
+                return walk_backward(state, cache, error)
+
+        def walk_forward(state: GPTState, ids):
             if jnp.ndim(ids) != 2:
                 raise ValueError(
                     f"{display_path(path)}: expected token ids of shape (batch, seq), got shape "
@@ -300,13 +316,13 @@ class GPTPart(AbstractPart):
             out, c_head = head.forward(state.head, h)
             return out, GPTCache(c_tok, c_pos, c_blocks, c_norm, c_head)
 
-        def backward(state: GPTState, cache: GPTCache, error):
+        def walk_backward(state: GPTState, cache: GPTCache, error):
             e, s_head, m_head = head.backward(state.head, cache.head, error)
             e, s_norm, m_norm = norm_f.backward(state.norm_f, cache.norm_f, e)
             e, s_blocks, m_blocks = blocks.backward(state.blocks, cache.blocks, e)
             _, s_tok, m_tok = token.backward(state.token, cache.token, e)
             _, s_pos, m_pos = position.backward(
-                state.position, cache.position, jnp.mean(e, axis=0)
+                state.position, cache.position, jnp.mean(widened(e), axis=0)
             )
             metrics = named(
                 token=m_tok, position=m_pos, blocks=m_blocks, norm_f=m_norm, head=m_head

@@ -28,6 +28,7 @@ import jax.random as jr
 import optax
 from jaxtyping import Float, Int
 
+from fusedpc.core._precision import resolve_compute_dtype
 from fusedpc.core.losses import softmax_cross_entropy
 
 Array = jax.Array
@@ -64,14 +65,17 @@ def _layer_norm(ln: eqx.nn.LayerNorm, x: Array) -> Array:
     """
     if ln.shape != x.shape[-1:]:
         raise ValueError(f"LayerNorm of shape {ln.shape} cannot act on an array of shape {x.shape}")
+    dtype = x.dtype
+    if jnp.finfo(dtype).bits < 32:  # statistics in at least float32
+        x = x.astype(jnp.float32)
     mean = jnp.mean(x, axis=-1, keepdims=True)
     variance = jnp.maximum(0.0, jnp.var(x, axis=-1, keepdims=True))
     out = (x - mean) * jax.lax.rsqrt(variance + ln.eps)
     if ln.weight is not None:
-        out = ln.weight * out
+        out = ln.weight.astype(out.dtype) * out
     if ln.bias is not None:
-        out = out + ln.bias
-    return out
+        out = out + ln.bias.astype(out.dtype)
+    return out.astype(dtype)
 
 
 class CausalSelfAttention(eqx.Module):
@@ -121,10 +125,12 @@ class CausalSelfAttention(eqx.Module):
         q = split_heads(_linear(self.wq, x))
         k = split_heads(_linear(self.wk, x))
         v = split_heads(_linear(self.wv, x))
-        scores = jnp.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(d)
+        # scores and softmax in float32 whatever the dtype of q and k
+        scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(d)
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))
         scores = jnp.where(causal, scores, -jnp.inf)
-        attn = jax.nn.softmax(scores, axis=-1)
+        attn = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bhts,bhsd->bhtd", attn, v)
         ctx = ctx.transpose(0, 2, 1, 3).reshape(b, t, w)
         return _linear(self.wo, ctx)
@@ -279,7 +285,8 @@ def cross_entropy(
     implementation is the fused pipeline's, `fusedpc.core.losses.softmax_cross_entropy.loss`,
     so the backprop twin and the fused step report the same number.
     """
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    if jnp.finfo(logits.dtype).bits < 32:
+        logits = logits.astype(jnp.float32)
     return softmax_cross_entropy.loss(logits, targets)  # type: ignore[misc]  # it has a loss
 
 
@@ -298,7 +305,10 @@ def _is_none(x) -> bool:
 
 
 def make_backprop_step(
-    optimiser: optax.GradientTransformation, *, frozen_layer_norm: bool = False
+    optimiser: optax.GradientTransformation,
+    *,
+    frozen_layer_norm: bool = False,
+    compute_dtype: Any = None,
 ) -> Callable[[GPT, PyTree, Array, Array], tuple[GPT, PyTree, Array]]:
     """Build a compiled training step ``step(model, opt_state, ids, targets)``.
 
@@ -316,14 +326,27 @@ def make_backprop_step(
     optimiser (including Adam with weight decay): its gradient is zeroed before the
     optimiser sees it, so moments and global-norm clipping ignore it, and its update is
     dropped, so the parameter is returned bit-for-bit unchanged.
+
+    With ``compute_dtype="bfloat16"`` the forward runs on a bfloat16 copy of the model
+    (LayerNorm statistics, attention scores, softmax and the loss in float32) and the
+    gradient flows back through the cast to the float32 model, which the optimiser updates
+    in float32: the mixed-precision twin of a fused step with the same ``compute_dtype``.
     """
+    dtype = resolve_compute_dtype(compute_dtype, "make_backprop_step: compute_dtype")
+
+    def cast(m):
+        if dtype is None:
+            return m
+        return jax.tree.map(
+            lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, m
+        )
 
     @eqx.filter_jit(donate="all-except-first")
     def _step(batch, model, opt_state):
         ids, targets = batch
 
         def loss_fn(m):
-            return cross_entropy(m(ids), targets)
+            return cross_entropy(cast(m)(ids), targets)
 
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
         if frozen_layer_norm:

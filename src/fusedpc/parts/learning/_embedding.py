@@ -38,6 +38,7 @@ from fusedpc.core._part import (
     display_path,
     replace_fields,
 )
+from fusedpc.core._precision import to_compute, widened
 from fusedpc.parts.frozen import layer_norm_forward, layer_norm_input_error
 from fusedpc.parts.learning._local_update import (
     SynapticSettings,
@@ -138,12 +139,12 @@ class LearningEmbedding(AbstractPart):
                     f"{display_path(path)}: expected integer token ids, got dtype {ids.dtype} "
                     f"(shape {tuple(ids.shape)}); convert with .astype(jnp.int32)."
                 )
-            return lookup_rows(state.table, ids), ids
+            return to_compute(lookup_rows(state.table, ids)), ids
 
         def backward(state: EmbeddingState, ids, error):
             expect_last_axis(path, error, width, what="error")
             flat_ids = ids.reshape(-1)
-            rows = error.reshape(-1, width)
+            rows = widened(error).reshape(-1, width)
             n_rows = rows.shape[0]
             gradient = jnp.zeros_like(state.table).at[flat_ids].add(rows) * (k / n_rows)
             table, opt_state, weight_precision = state.table, state.opt_state, None
@@ -237,8 +238,8 @@ class LearningLayerNorm(AbstractPart):
         def backward(state: LayerNormState, cache, error):
             n_hat = cache.n_hat
             input_error = layer_norm_input_error(state.params.weight, cache, error)
-            rows_e = error.reshape(-1, width)
-            rows_n = n_hat.reshape(-1, width)
+            rows_e = widened(error).reshape(-1, width)
+            rows_n = widened(n_hat).reshape(-1, width)
             gradients = LayerNormParams(
                 weight=jnp.mean(rows_e * rows_n, axis=0), bias=jnp.mean(rows_e, axis=0)
             )

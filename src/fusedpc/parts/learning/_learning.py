@@ -40,6 +40,7 @@ import optax
 from fusedpc.core._checks import expect_last_axis
 from fusedpc.core._metrics import learning_metrics
 from fusedpc.core._part import AbstractPart, Core, LinearParams, PyTree, replace_fields
+from fusedpc.core._precision import matmul, matmul_accumulate, to_compute, widened
 from fusedpc.parts.learning._local_update import (
     SynapticSettings,
     optax_step,
@@ -194,20 +195,20 @@ class LearningNetwork(AbstractPart):
                     f"{path or '<root>'}: expected a floating-point input, got dtype {x.dtype}."
                 )
             lead = x.shape[:-1]
-            rows = x.reshape(-1, net.sizes[0])
+            rows = to_compute(x.reshape(-1, net.sizes[0]))
             a = rows if input_is_identity else acts[0].value(rows)
             activations, pre_activations = [a], []
             w, b = state.params.weights, state.params.biases
             for l in range(n_mats):
-                z = a @ w[l].T
+                z = matmul(a, w[l].T)
                 bias = b[l]
                 if bias is not None:
-                    z = z + bias
+                    z = z + to_compute(bias)
                 if l < n_mats - 1:
                     pre_activations.append(z)
                     a = acts[l + 1].value(z)
                     activations.append(a)
-            out = net.apply_head(z)
+            out = net.apply_head(z if net.head == "gaussian" else widened(z))
             cache = NetworkCache(
                 x=None if input_is_identity else rows,
                 activations=tuple(activations),
@@ -218,7 +219,7 @@ class LearningNetwork(AbstractPart):
 
         def backward(state: LearningNetworkState, cache: NetworkCache, error):
             lead = error.shape[:-1]
-            err = error.reshape(-1, net.sizes[-1])
+            err = widened(error.reshape(-1, net.sizes[-1]))  # the recursion runs in float32
             n_rows = err.shape[0]
             w, b = state.params.weights, state.params.biases
             precisions = state.precisions
@@ -240,15 +241,18 @@ class LearningNetwork(AbstractPart):
             new_precisions = list(precisions)
             for l in reversed(range(n_mats)):
                 a = cache.activations[l]
-                grads_w[l] = (k / n_rows) * (child_factor.T @ a)
+                grads_w[l] = (k / n_rows) * matmul_accumulate(child_factor.T, a)
                 if b[l] is not None:
-                    grads_b[l] = (k / n_rows) * jnp.sum(child_factor, axis=0)
+                    grads_b[l] = (k / n_rows) * jnp.sum(widened(child_factor), axis=0)
                 if synaptic is not None:
                     mean_importance = k * jnp.mean(importance, axis=0)
-                    increments_w[l] = mean_importance[:, None] * jnp.mean(a * a, axis=0)[None, :]
+                    a_wide = widened(a)
+                    increments_w[l] = (
+                        mean_importance[:, None] * jnp.mean(a_wide * a_wide, axis=0)[None, :]
+                    )
                     if b[l] is not None:
                         increments_b[l] = mean_importance
-                back = message @ w[l]
+                back = matmul(message, w[l])
                 if l == 0:
                     if input_is_identity:
                         input_error = back
@@ -256,7 +260,8 @@ class LearningNetwork(AbstractPart):
                         x_rows = cast(jax.Array, cache.x)  # cached for a non-identity input
                         input_error = acts[0].first(x_rows) * back
                     break
-                z = cache.pre_activations[l - 1]
+                back = widened(back)
+                z = widened(cache.pre_activations[l - 1])
                 first = acts[l].first(z)
                 pi = precisions[l - 1]
                 routed = first * back
