@@ -37,3 +37,11 @@ from fusedpc.core._part import TableParams as TableParams
 from fusedpc.core._part import display_path as display_path
 from fusedpc.core._part import join_path as join_path
 from fusedpc.core._part import replace_fields as replace_fields
+from fusedpc.core._precision import COMPUTE_DTYPES as COMPUTE_DTYPES
+from fusedpc.core._precision import compute_dtype as compute_dtype
+from fusedpc.core._precision import computing_in as computing_in
+from fusedpc.core._precision import einsum as einsum
+from fusedpc.core._precision import matmul as matmul
+from fusedpc.core._precision import matmul_accumulate as matmul_accumulate
+from fusedpc.core._precision import to_compute as to_compute
+from fusedpc.core._precision import widened as widened
