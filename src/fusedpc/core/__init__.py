@@ -44,4 +44,5 @@ from fusedpc.core._precision import einsum as einsum
 from fusedpc.core._precision import matmul as matmul
 from fusedpc.core._precision import matmul_accumulate as matmul_accumulate
 from fusedpc.core._precision import to_compute as to_compute
+from fusedpc.core._precision import weight_gradient as weight_gradient
 from fusedpc.core._precision import widened as widened

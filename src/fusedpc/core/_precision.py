@@ -111,3 +111,15 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, *, accumulate: bool = False) -
         spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32
     )
     return product if accumulate else product.astype(dtype)
+
+
+def weight_gradient(errors: jax.Array, inputs: jax.Array) -> jax.Array:
+    """$E^\\top A$ over rows, `(R, out)` and `(R, in)` to `(out, in)`, in float32 (as
+    `matmul_accumulate`).
+
+    The transposed errors are laid out in memory first (an `optimization_barrier` keeps XLA
+    from folding the transpose back into the product): XLA:CPU then runs the product in its
+    fast matrix library instead of its generic dot, about 1.5 % of a config-S step
+    (docs/benchmarks.md). The numbers are those of `errors.T @ inputs`.
+    """
+    return matmul_accumulate(jax.lax.optimization_barrier(errors.T), inputs)

@@ -40,7 +40,7 @@ import optax
 from fusedpc.core._checks import expect_last_axis
 from fusedpc.core._metrics import learning_metrics
 from fusedpc.core._part import AbstractPart, Core, LinearParams, PyTree, replace_fields
-from fusedpc.core._precision import matmul, matmul_accumulate, to_compute, widened
+from fusedpc.core._precision import matmul, to_compute, weight_gradient, widened
 from fusedpc.parts.learning._local_update import (
     SynapticSettings,
     optax_step,
@@ -241,7 +241,7 @@ class LearningNetwork(AbstractPart):
             new_precisions = list(precisions)
             for l in reversed(range(n_mats)):
                 a = cache.activations[l]
-                grads_w[l] = (k / n_rows) * matmul_accumulate(child_factor.T, a)
+                grads_w[l] = (k / n_rows) * weight_gradient(child_factor, a)
                 if b[l] is not None:
                     grads_b[l] = (k / n_rows) * jnp.sum(widened(child_factor), axis=0)
                 if synaptic is not None:
