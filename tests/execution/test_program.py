@@ -210,3 +210,75 @@ def test_object_string_and_float_class_id_batches_are_named_with_their_dtype():
     with pytest.raises(ValueError, match=message):
         classes.step(x, np.zeros((4,), np.float32))
     assert classes.steps == 0
+
+
+# --------------------------------------------------------------------------- report cadence
+def _cadence_pipelines(**guards):
+    config = fusedpc.GPTConfig(vocab_size=11, width=16, n_heads=4, n_blocks=2, ff_width=32,
+                               max_len=8, learn="all")
+    part, _ = fusedpc.build_gpt(config, optax.adam(1e-2), jax.random.key(0))
+    return [fusedpc.FusedPipeline(part, config.error_fn, **guards) for _ in range(2)]
+
+
+def test_report_cadence_reports_equal_full_metrics_and_losses_every_step():
+    xs = np.asarray(jax.random.randint(jax.random.key(1), (7, 2, 8), 0, 11))
+    full, cadence = _cadence_pipelines()
+    _, _, every = full.run(xs, xs, keep_outputs=False)
+    _, _, some = cadence.run(xs, xs, keep_outputs=False, report_every=3)
+    np.testing.assert_array_equal(np.asarray(every.loss), np.asarray(some.loss))
+    np.testing.assert_array_equal(np.asarray(some.reported),
+                                  [False, False, True, False, False, True, True])
+    assert np.asarray(every.reported).all()
+    for index in (2, 5, 6, -1):  # every third step and the last: the same rows exactly
+        assert cadence.report(index=index) == full.report(index=index)
+    # the steps between reports: the same update, nothing measured, and said
+    for a, b in zip(jax.tree_util.tree_leaves(full.state),
+                    jax.tree_util.tree_leaves(cadence.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"report\(index=1\): that step of the last run "
+                                         "computed no report"):
+        cadence.report(index=1)
+    # which steps report is data: another choice reuses the compiled program
+    traces = cadence.trace_counts["run"]
+    flags = np.zeros(7, bool)
+    flags[0] = True
+    _, _, chosen = cadence.run(xs, xs, keep_outputs=False, report_at=flags)
+    assert cadence.trace_counts["run"] == traces
+    np.testing.assert_array_equal(np.asarray(chosen.reported), flags | (np.arange(7) == 6))
+    with pytest.raises(ValueError, match="report_every: expected an int >= 1, got 0"):
+        cadence.run(xs, xs, report_every=0)
+    with pytest.raises(ValueError, match=r"report_at: expected 7 booleans"):
+        cadence.run(xs, xs, report_at=np.ones(3, bool))
+
+
+def test_steps_between_reports_keep_the_commit_rule():
+    xs = np.asarray(jax.random.randint(jax.random.key(1), (4, 2, 8), 0, 11))
+    bad = xs.copy()
+    bad[1, 0, 0] = 99  # an id out of range at step 1, a step without report
+    _, cadence = _cadence_pipelines()
+    before = [np.array(a) for a in jax.tree_util.tree_leaves(cadence.state)]
+    # a device array: its ids are checked inside the step, not before it
+    _, _, metrics = cadence.run(jnp.asarray(bad), xs, keep_outputs=False, report_every=4)
+    np.testing.assert_array_equal(np.asarray(metrics.committed), [True, False, True, True])
+    assert cadence.skip_reason(index=1).reason == "token id out of range"
+    assert any(not np.array_equal(a, b)
+               for a, b in zip(before, jax.tree_util.tree_leaves(cadence.state)))
+    # a state that cannot be represented is refused on a step without report too: SGD at a
+    # rate that overflows the weights' norm (finite entries, an infinite norm)
+    config = fusedpc.GPTConfig(vocab_size=11, width=16, n_heads=4, n_blocks=1, ff_width=32,
+                               max_len=8, learn="head")
+    part, _ = fusedpc.build_gpt(config, optax.sgd(1e36), jax.random.key(0))
+    pipeline = fusedpc.FusedPipeline(part, config.error_fn)
+    start = [np.array(a) for a in jax.tree_util.tree_leaves(pipeline.state)]
+    _, _, metrics = pipeline.run(xs, xs, keep_outputs=False, report_every=4)
+    assert not np.asarray(metrics.committed)[:3].any() and not np.asarray(metrics.reported)[0]
+    assert pipeline.skip_reason(index=0).reason == "non-finite"
+    for a, b in zip(start, jax.tree_util.tree_leaves(pipeline.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_update_ratio_guard_reports_every_step():
+    xs = np.asarray(jax.random.randint(jax.random.key(1), (3, 2, 8), 0, 11))
+    _, guarded = _cadence_pipelines(max_update_ratio=10.0)
+    _, _, metrics = guarded.run(xs, xs, keep_outputs=False, report_every=3)
+    assert np.asarray(metrics.reported).all() and np.asarray(metrics.committed).all()

@@ -24,13 +24,19 @@ GUARD_VARIANTS = ("fused_guards", "fused_unguarded")
 """`fused` with every guard on (`max_update_ratio`, `loss_spike`, bounds loose enough that
 nothing is skipped) and with none (`nonfinite="ignore"`): the guards' cost, side by side with
 `fused` (the default rule)."""
-RUN_VARIANTS = ("fused_run", "fused_run_scan", "fused_run_unrolled")
+CADENCE_VARIANTS = ("fused_run_cadence",)
+"""`fused_run` with the parts' report norms on the call's last step only
+(`run(..., report_every=k)`)."""
+RUN_VARIANTS = ("fused_run", "fused_run_scan", "fused_run_unrolled", *CADENCE_VARIANTS)
 """The variants that time `FusedPipeline.run` (`k` steps per call)."""
 FUSED_VARIANTS = (
-    "fused", "fused_run", *SCANNED_VARIANTS, *UNROLLED_VARIANTS, *GUARD_VARIANTS
+    "fused", "fused_run", *SCANNED_VARIANTS, *UNROLLED_VARIANTS, *GUARD_VARIANTS,
+    *CADENCE_VARIANTS,
 )
 """Every variant that runs a `FusedPipeline`."""
-ALL_VARIANTS = VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + GUARD_VARIANTS + PROBES
+ALL_VARIANTS = (
+    VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + GUARD_VARIANTS + CADENCE_VARIANTS + PROBES
+)
 """Every name `--variants` accepts."""
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fusedpc.bench._args import (
+    CADENCE_VARIANTS,
     FUSED_VARIANTS,
     RUN_VARIANTS,
     SCANNED_VARIANTS,
@@ -160,9 +161,11 @@ def prepare_variant(args: BenchArgs, variant: str, blocks: int) -> tuple[Callabl
     if variant in FUSED_VARIANTS:
         pipeline = setup.pipeline(variant)
         if variant in RUN_VARIANTS:
+            every = args.k if variant in CADENCE_VARIANTS else None
 
             def run_call(i: int) -> Any:
-                pipeline.run(setup.run_ids, setup.run_targets, keep_outputs=False)
+                pipeline.run(setup.run_ids, setup.run_targets, keep_outputs=False,
+                             report_every=every)
                 return pipeline.state, pipeline.last_metrics.loss
 
             return run_call, args.k

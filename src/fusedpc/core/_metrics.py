@@ -8,6 +8,7 @@ own may report a metrics class of its own, whose rows reach `pipeline.report()`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -183,6 +184,39 @@ def leaf_finite(leaf: Any) -> jax.Array:
     return jnp.array(True)
 
 
+def leaf_norm_finite(leaf: Any) -> jax.Array:
+    """Whether one leaf's norm is finite: every entry finite and the sum of squares within
+    float32 (a NaN or infinity anywhere, or magnitudes whose norm overflows, read as False).
+    The commit rule's check of every state leaf."""
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+        return jnp.isfinite(jnp.sum(jnp.square(jnp.asarray(leaf).astype(jnp.float32))))
+    return jnp.array(True)
+
+
+_DETAILED: list[bool] = []
+
+
+@contextlib.contextmanager
+def detailed_reports(detailed: bool) -> Iterator[None]:
+    """Trace the parts inside with (True) or without (False) their report norms.
+
+    A step traced with `detailed_reports(False)` (`run`'s steps between reports) gets
+    `learning_metrics` whose norms are NaN ("not measured") and whose `finite` flag is true:
+    the step's commit rule then rests on the executor's own check of every state leaf's
+    norm (`leaf_norm_finite`), the output, the input error and the loss."""
+    _DETAILED.append(bool(detailed))
+    try:
+        yield
+    finally:
+        _DETAILED.pop()
+
+
+def reports_detailed() -> bool:
+    """Whether the step being traced computes its parts' report norms (True outside any
+    `detailed_reports`)."""
+    return _DETAILED[-1] if _DETAILED else True
+
+
 def all_finite(tree: PyTree) -> jax.Array:
     """One boolean: every inexact leaf of `tree` is finite (integer leaves always are)."""
     leaves = [
@@ -221,6 +255,15 @@ def learning_metrics(
     part in reports; whether a step is committed is decided by the executor's own check of
     the whole new state. (A norm above ~1e19 overflows float32 and also reads as non-finite.)
     """
+    if not reports_detailed():
+        unmeasured = jnp.full((), jnp.nan, jnp.float32)
+        return PartMetrics(
+            update_norm=unmeasured,
+            error_norm=unmeasured,
+            weight_norm=unmeasured,
+            finite=jnp.array(True),
+            layer_sizes=tuple(int(s) for s in layer_sizes),
+        )
     update = jax.tree_util.tree_map(lambda n, o: n - o, new_params, old_params)
     update_norm = tree_norm(update)
     weight_norm = tree_norm(new_params)

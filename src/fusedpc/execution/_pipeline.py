@@ -164,8 +164,10 @@ class FusedPipeline:
         return _sharding.shard_batch(x, self.mesh, axis)
 
     # ------------------------------------------------------------------ programs
-    def _recording_step(self, carry: StepCarry, x: Any, target: Any, mask: Any = None):
-        carry, out = self.program.step(carry, x, target, mask)
+    def _recording_step(
+        self, carry: StepCarry, x: Any, target: Any, mask: Any = None, detailed: bool = True
+    ):
+        carry, out = self.program.step(carry, x, target, mask, detailed)
         self._traced_output = jax.ShapeDtypeStruct(jnp.shape(out.output), out.output.dtype)
         return carry, out
 
@@ -174,8 +176,12 @@ class FusedPipeline:
         self.trace_counts["step"] += 1  # counted once the trace succeeded
         return result
 
-    def _run_program(self, carry, xs, targets, masks=None, keep_outputs=True):
-        result = scan_steps(self._recording_step, carry, xs, targets, keep_outputs, masks)
+    def _run_program(self, carry, xs, targets, masks=None, report_at=None, keep_outputs=True):
+        if self.program.max_update_ratio is not None:
+            report_at = None  # the guard reads every step's norms
+        result = scan_steps(
+            self._recording_step, carry, xs, targets, keep_outputs, masks, report_at
+        )
         self.trace_counts["run"] += 1
         return result
 
@@ -285,7 +291,14 @@ class FusedPipeline:
         return result.output, result.input_error
 
     def run(
-        self, xs: Any, targets: Any, *, masks: Any = None, keep_outputs: bool = True
+        self,
+        xs: Any,
+        targets: Any,
+        *,
+        masks: Any = None,
+        keep_outputs: bool = True,
+        report_every: int | None = None,
+        report_at: Any = None,
     ) -> tuple[Any, Any, StepMetrics]:
         """K steps in one compiled call (`lax.scan` over the leading axis of `xs`/`targets`
         and `masks`, `(K, rows...)`, if given).
@@ -293,15 +306,24 @@ class FusedPipeline:
         Equal to K calls of `step`. Returns stacked `(outputs, input_errors, metrics)`;
         with `keep_outputs=False` the outputs and input errors are not kept (`None`), which
         saves their memory when only the losses and reports are wanted.
+
+        Report cadence: `report_every=n` computes the parts' report norms on every n-th
+        inner step and the last one only; `report_at` (K booleans) names the steps
+        directly (the last always reports). The other steps have the same update, commit
+        rule and loss, and NaN norms (`metrics.reported` false; `report(index=...)` refuses
+        them). Which steps report is data, not a new program: changing it does not
+        recompile. With `max_update_ratio` set every step reports (the guard reads them).
         """
         self._check_pending()
         self._validate(xs, targets, batched=True, mask=masks)
+        report_at = _report_flags(np.shape(xs)[0], report_every, report_at)
         xs, targets_placed = self.place_batch(xs, axis=1), self.place_batch(targets, axis=1)
         masks_placed = None if masks is None else self.place_batch(masks, axis=1)
         signature = (
             *_validation.signature(xs, targets, batched=True),
             _validation.mask_signature(masks),
             keep_outputs,
+            report_at is None,
         )
         out = self._traced(
             self._run_jit,
@@ -310,13 +332,14 @@ class FusedPipeline:
             xs,
             targets_placed,
             masks_placed,
+            report_at,
             keep_outputs=keep_outputs,
         )
         _validation.check_class_ids(
             self.error_fn, targets, out.shape[-1], "targets", self.check_device_ids
         )
         self._carry, result = self._run_jit(
-            self._carry, xs, targets_placed, masks_placed, keep_outputs=keep_outputs
+            self._carry, xs, targets_placed, masks_placed, report_at, keep_outputs=keep_outputs
         )
         self._last = self._pending = result.metrics
         self._last_stacked = True
@@ -464,10 +487,20 @@ class FusedPipeline:
         Each row: `part` (its path in the tree), `layer_sizes`, `update_norm`, `error_norm`,
         `weight_norm`, `update_ratio` (update / weight norm, the number to calibrate a part's
         learning rate by) and `finite`. Empty before the first step.
+
+        Raises:
+            ValueError: the chosen inner step did not compute its report (`run`'s
+                `report_every` / `report_at`).
         """
         if self._last is None:
             return []
         chosen = _report.select_step(jax.device_get(self._last), index)
+        if chosen.reported is not None and not bool(np.asarray(chosen.reported)):
+            raise ValueError(
+                f"report(index={index}): that step of the last run computed no report (run's "
+                "report_every / report_at); ask for a step that reported, e.g. the last "
+                "(index=-1)."
+            )
         return report_rows(chosen.parts)
 
     def nonfinite_part(self, index: int = -1) -> str | None:
@@ -515,3 +548,28 @@ __all__ = [
     "copy_tree",
     "normalise_active",
 ]
+
+
+def _report_flags(steps: int, report_every: int | None, report_at: Any) -> Any:
+    """`run`'s per-step report flags (`None`: every step reports), checked."""
+    if report_every is not None and report_at is not None:
+        raise ValueError("run: give report_every or report_at, not both.")
+    if report_every is not None:
+        if isinstance(report_every, bool) or not isinstance(report_every, int | np.integer) \
+                or report_every < 1:
+            raise ValueError(f"report_every: expected an int >= 1, got {report_every!r}.")
+        if report_every == 1:
+            return None
+        flags = (np.arange(steps) + 1) % int(report_every) == 0
+    elif report_at is not None:
+        flags = np.asarray(report_at)
+        if flags.shape != (steps,) or flags.dtype != bool:
+            raise ValueError(
+                f"report_at: expected {steps} booleans (one per step of xs), got an array "
+                f"of shape {flags.shape} and dtype {flags.dtype}."
+            )
+        flags = flags.copy()
+    else:
+        return None
+    flags[-1] = True  # the last step always reports: report() reads it
+    return flags

@@ -39,7 +39,8 @@ from fusedpc.core._gradients import clip_gradients, collect_gradient_squares
 from fusedpc.core._metrics import (
     PartMetrics,
     all_finite,
-    leaf_finite,
+    detailed_reports,
+    leaf_norm_finite,
     metric_leaves,
     metrics_finite,
     tree_norm,
@@ -123,6 +124,8 @@ class StepMetrics(eqx.Module):
             rule that refused the step.
         input_checks: the in-program `IdRangeCheck`s of the step's inputs and targets.
         loss_mean: the running mean loss the loss guard compared this step's loss with.
+        reported: whether the parts' report norms were computed (False for `run`'s steps
+            between reports, whose `parts` norms are NaN: see `StepProgram.run`).
     """
 
     loss: jax.Array
@@ -132,6 +135,7 @@ class StepMetrics(eqx.Module):
     skip_reason: jax.Array = None  # type: ignore[assignment]
     input_checks: tuple[IdRangeCheck, ...] = ()
     loss_mean: jax.Array = None  # type: ignore[assignment]
+    reported: jax.Array = None  # type: ignore[assignment]
 
 
 class StepOutput(eqx.Module):
@@ -253,18 +257,38 @@ def scan_steps(
     targets: Any,
     keep_outputs: bool = True,
     masks: Any = None,
+    report_at: Any = None,
 ) -> tuple[Any, StepOutput]:
-    """K applications of `step(carry, x, target[, mask]) -> (carry, StepOutput)` in one
-    `lax.scan` over the leading axis of `xs`, `targets` (and `masks`); outputs and metrics
-    stacked over K."""
+    """K applications of `step(carry, x, target, mask, detailed) -> (carry, StepOutput)` in
+    one `lax.scan` over the leading axis of `xs`, `targets` (and `masks`); outputs and
+    metrics stacked over K. With `report_at` (K booleans) each step is traced twice, with
+    and without its report norms, and `lax.cond` runs the one that step asks for."""
+
+    def trim(out: StepOutput) -> StepOutput:
+        return out if keep_outputs else StepOutput(None, None, out.metrics)
 
     def body(c, batch):
-        c, out = step(c, *batch)
-        if not keep_outputs:
-            out = StepOutput(None, None, out.metrics)
-        return c, out
+        if report_at is None:
+            c, out = step(c, *batch)
+            return c, trim(out)
+        *batch, flag = batch
+        mask = batch[2] if len(batch) == 3 else None
 
-    batches = (xs, targets) if masks is None else (xs, targets, masks)
+        def detailed(operands):
+            c_, b_ = operands
+            new, out = step(c_, b_[0], b_[1], mask, detailed=True)
+            return new, trim(out)
+
+        def light(operands):
+            c_, b_ = operands
+            new, out = step(c_, b_[0], b_[1], mask, detailed=False)
+            return new, trim(out)
+
+        return jax.lax.cond(flag, detailed, light, (c, tuple(batch[:2])))
+
+    batches: tuple = (xs, targets) if masks is None else (xs, targets, masks)
+    if report_at is not None:
+        batches = (*batches, jnp.asarray(report_at, bool))
     return jax.lax.scan(body, carry, batches)
 
 
@@ -354,7 +378,7 @@ class StepProgram:
         return fn.loss(y, target).astype(jnp.float32)
 
     def step(
-        self, carry: StepCarry, x: Any, target: Any, mask: Any = None
+        self, carry: StepCarry, x: Any, target: Any, mask: Any = None, detailed: bool = True
     ) -> tuple[StepCarry, StepOutput]:
         """One training step: returns the new carry and the step's `StepOutput`.
 
@@ -367,6 +391,12 @@ class StepProgram:
                 nothing, and every mean (the parts' updates, the loss) runs over the real
                 rows, exactly as a masked mean loss under backprop. Rows must still be
                 finite (zeros are fine). `None` weighs every row alike.
+            detailed: whether the parts compute their report norms (`True`); `False` leaves
+                them NaN ("not measured", `metrics.reported` false) and saves their
+                reductions. The commit rule is the same either way: the norms of every
+                state leaf (parameters and optimiser moments alike), the output, the input
+                error and the loss must be finite. A step with `max_update_ratio` set always
+                computes its norms (the guard reads them).
 
         The step is committed unless, in this order: an input id lies outside its range
         (`"id out of range"`); anything is not representable (`"non-finite"`: a NaN or an
@@ -385,13 +415,15 @@ class StepProgram:
             error, weights = apply_row_mask(error, mask)
         elif self.error_normalisation == "active":
             error = normalise_active(error)
-        input_error, new_state, part_metrics = self._backward(state, cache, error)
+        detailed = bool(detailed) or self.max_update_ratio is not None
+        with detailed_reports(detailed):
+            input_error, new_state, part_metrics = self._backward(state, cache, error)
         loss = self._loss(y, target, weights)
 
         ids_ok = jnp.stack([c.ok for c in checks]).all() if checks else jnp.array(True)
         # One flag per state leaf (kept in the metrics to name a bad leaf), then one rule for
         # all: the same flags name the part in reports.
-        state_finite = jax.tree_util.tree_map(leaf_finite, new_state)
+        state_finite = jax.tree_util.tree_map(leaf_norm_finite, new_state)
         finite_flags = [
             *jax.tree_util.tree_leaves(state_finite),
             all_finite((y, input_error)),
@@ -427,6 +459,7 @@ class StepProgram:
             skip_reason=code,
             input_checks=checks,
             loss_mean=carry.counters.loss_mean,
+            reported=jnp.array(detailed),
         )
         return StepCarry(new_state, counters), StepOutput(y, input_error, metrics)
 
@@ -486,11 +519,19 @@ class StepProgram:
         targets: Any,
         keep_outputs: bool = True,
         masks: Any = None,
+        report_at: Any = None,
     ) -> tuple[StepCarry, StepOutput]:
         """K steps in one `lax.scan` over the leading axis of `xs`, `targets` (and `masks`,
         `(K, rows...)`); equal to K calls of `step`. With `keep_outputs=False` the outputs
-        and input errors are dropped (`None`) and only the stacked metrics are kept."""
-        return scan_steps(self.step, carry, xs, targets, keep_outputs, masks)
+        and input errors are dropped (`None`) and only the stacked metrics are kept.
+
+        `report_at` (optional, K booleans, an array of the call like `xs`: changing it does
+        not retrace) says which steps compute their parts' report norms; the others are
+        `step(..., detailed=False)`: the same update, the same commit rule, every loss, and
+        NaN norms. `None` reports every step."""
+        if self.max_update_ratio is not None:
+            report_at = None  # the guard reads every step's norms
+        return scan_steps(self.step, carry, xs, targets, keep_outputs, masks, report_at)
 
     def predict(self, state: PyTree, x: Any) -> Any:
         """The forward walk only: the tree's output for `x` under `state`. Out-of-range token
