@@ -1,0 +1,580 @@
+"""The yardstick for per-slot learning-rate calibration: a matrix of short runs, each to the
+same step budget, and the validation loss every calibration method reaches (see
+docs/calibration.md).
+
+    python scripts/calibration_study.py --quick                   # a sample, < 5 minutes
+    python scripts/calibration_study.py --text my.txt             # the full study, ~30 minutes
+
+Prints one JSON line per run and one summary line per cell and method (also written to
+`--out`/calibration.jsonl, with a plot in `--out`/calibration.png); progress goes to stderr.
+
+A cell is (text, learning kind, learn preset, optimiser). In each cell and for each seed, one
+warm-up of the first `--warmup` share of the budget is trained; every method reads that
+warm-up (its report rows, or short probes started from it) and returns one rate multiplier
+per slot; training then continues from the warmed-up state (weights and optimiser moments
+kept, only the rates changed) to the budget, on the same batches for every method. `none`
+is the uncalibrated run itself. Probe steps come on top of the budget (they only choose the
+multipliers) and are counted in `probe_steps`.
+
+The rates live in the optimiser state (`optax.inject_hyperparams`, the same update as
+`fusedpc.training.make_optimiser(name, lr * m)`), so that every seed, text and method of a
+cell runs one compiled program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fusedpc
+from fusedpc.training import data, make_optimiser
+from fusedpc.training._calibrate import calibrate_slots
+from fusedpc.transformer import reference
+
+KINDS = ("precision_weighted", "standard", "synaptic_uncertainty")
+PRESETS = ("all", "ff_head")
+OPTIMISERS = ("adam", "sgd")
+BASE_LR = {"adam": 3e-3, "sgd": 0.1}
+"""The global rate of each optimiser (`--lr-adam`, `--lr-sgd`)."""
+
+
+# ----------------------------------------------------------------------------- methods
+@dataclasses.dataclass(frozen=True)
+class WarmUp:
+    """What a method may read: the report rows of the warm-up (each with its `step`), and
+    `trial(multipliers)`, which trains `probe_steps` steps from the warmed-up state at
+    those per-slot multipliers and returns the loss on the probe split (not the validation
+    split the study scores on)."""
+
+    rows: list[dict[str, Any]]
+    trial: Callable[[dict[str, float]], float]
+
+
+Method = Callable[[WarmUp, float, tuple[str, ...]], dict[str, float]]
+"""`(warm_up, base_lr, slots) -> {slot: multiplier}`; slots left out keep multiplier 1."""
+
+
+def method_none(warm_up: WarmUp, base_lr: float, slots: tuple[str, ...]) -> dict[str, float]:
+    """Uncalibrated: every slot at the global rate."""
+    return {}
+
+
+def method_report_rule(
+    warm_up: WarmUp, base_lr: float, slots: tuple[str, ...]
+) -> dict[str, float]:
+    """`fusedpc report`'s suggestion: per slot $\\rho^* / \\tilde\\rho$ with $\\rho^* = 10^{-3}$
+    and $\\tilde\\rho$ the median update/weight ratio of the slot's parts over the warm-up."""
+    table = calibrate_slots(warm_up.rows)
+    return {c.part: c.multiplier for c in table if c.multiplier is not None and c.part in slots}
+
+
+def method_rebalance(
+    warm_up: WarmUp, base_lr: float, slots: tuple[str, ...]
+) -> dict[str, float]:
+    """`report_rule`'s multipliers $m_s$ divided by their geometric mean,
+    $m_s / (\\prod_s m_s)^{1/n}$: the global rate is kept, only the balance between slots
+    changes."""
+    rule = method_report_rule(warm_up, base_lr, slots)
+    if not rule:
+        return {}
+    mean = math.exp(float(np.mean([math.log(m) for m in rule.values()])))
+    return {slot: m / mean for slot, m in rule.items()}
+
+
+PROBE_FACTORS = (0.5, 2.0)
+
+
+def method_probe(warm_up: WarmUp, base_lr: float, slots: tuple[str, ...]) -> dict[str, float]:
+    """Per slot, one at a time: train `probe_steps` from the warmed-up state with that slot's
+    rate times 0.5 and times 2 (the others at 1) and keep the factor whose probe-split loss is
+    lowest, 1 included; $2 |S| + 1$ probes in all."""
+    baseline = warm_up.trial({})
+    chosen = {}
+    for slot in slots:
+        losses = {1.0: baseline}
+        losses.update({f: warm_up.trial({slot: f}) for f in PROBE_FACTORS})
+        best = min(losses, key=lambda f: losses[f] if math.isfinite(losses[f]) else math.inf)
+        if best != 1.0:
+            chosen[slot] = best
+    return chosen
+
+
+METHODS: dict[str, Method] = {
+    "none": method_none,
+    "report_rule": method_report_rule,
+    "rebalance": method_rebalance,
+    "probe": method_probe,
+}
+"""The calibration methods by name; add one here to have the study score it."""
+
+
+# ----------------------------------------------------------------------------- settings
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """The study's settings: the step budget (`steps`, warm-up included), the warm-up and
+    probe lengths, steps per compiled call, the matrix (seeds, kinds, presets, optimisers,
+    methods), the global rate per optimiser, synaptic_uncertainty's `window`, and the small
+    model and batch every run shares."""
+
+    steps: int
+    warmup: int
+    probe_steps: int
+    per_call: int
+    seeds: tuple[int, ...]
+    kinds: tuple[str, ...]
+    presets: tuple[str, ...]
+    optimisers: tuple[str, ...]
+    methods: tuple[str, ...]
+    twin: bool
+    lr: dict[str, float]
+    window: int
+    width: int = 32
+    n_heads: int = 4
+    n_blocks: int = 1
+    ff_width: int = 128
+    seq_len: int = 32
+    batch: int = 16
+    eval_batches: int = 8
+    report_every: int = 5
+
+
+def rated(name: str, lr: float) -> optax.GradientTransformation:
+    """`make_optimiser(name, lr)` with the rate kept in the optimiser state (so it can be
+    changed without recompiling)."""
+    if name == "adam":
+        return optax.inject_hyperparams(optax.adam)(learning_rate=lr)
+    if name == "sgd":
+        return optax.inject_hyperparams(optax.sgd)(learning_rate=lr)
+    raise ValueError(f"--optimisers: expected names from {OPTIMISERS}, got {name!r}.")
+
+
+def slot_of_state_path(path: str) -> str:
+    """The GPT slot that a state leaf's path (`jax.tree_util.keystr`) belongs to."""
+    for slot in ("attention", "feed_forward"):
+        if f".{slot}." in path:
+            return slot
+    if any(f".{n}." in path for n in ("n1", "n2", "norm_f")):
+        return "norm"
+    for slot in ("token", "position", "head"):
+        if path.startswith(f".{slot}."):
+            return slot
+    raise ValueError(f"no GPT slot for the state path {path!r}.")
+
+
+def with_rates(state, base_lr: float, multipliers: dict[str, float]):
+    """`state` with every optimiser's rate set to `base_lr` times its slot's multiplier."""
+
+    def set_rate(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if not name.endswith("hyperparams['learning_rate']"):
+            return leaf
+        rate = base_lr * multipliers.get(slot_of_state_path(name), 1.0)
+        return jnp.full_like(leaf, rate)
+
+    return jax.tree_util.tree_map_with_path(set_rate, state)
+
+
+def copy_state(state):
+    return jax.tree.map(jnp.copy, state)
+
+
+def held_out_loss(logits_fn, xs: np.ndarray, ys: np.ndarray) -> float:
+    """Mean next-token cross-entropy of `logits_fn` over the batches `xs`, `ys` `(N, B, T)`,
+    in one call on `(N B, T)`."""
+    n, b, t = xs.shape
+    logits = logits_fn(jnp.asarray(xs.reshape(n * b, t)))
+    return float(reference.cross_entropy(logits, jnp.asarray(ys.reshape(n * b, t))))
+
+
+@dataclasses.dataclass
+class Text:
+    name: str
+    train: np.ndarray
+    probe: tuple[np.ndarray, np.ndarray]
+    val: tuple[np.ndarray, np.ndarray]
+
+
+def load_texts(paths: list[str], study: Study) -> tuple[list[Text], int]:
+    """Each text split 80/10/10 into training, probe and validation parts, all encoded with
+    one character vocabulary (the union of the texts'), so that they share compiled
+    programs."""
+    raw = {p: data.load_text(p) for p in paths}
+    tok = data.CharTokenizer.from_text("".join(raw.values()))
+    texts = []
+    for path, text in raw.items():
+        ids = tok.encode(text)
+        train, held = data.split(ids, 0.2)
+        probe, val = data.split(held, 0.5)
+        n = study.eval_batches
+        texts.append(Text(
+            os.path.basename(path) if os.path.exists(path) else path,
+            train,
+            data.BatchIterator(probe, study.batch, study.seq_len, seed=1).next_batches(n),
+            data.BatchIterator(val, study.batch, study.seq_len, seed=2).next_batches(n),
+        ))
+    return texts, tok.vocab_size
+
+
+# ----------------------------------------------------------------------------- runs
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+class Cell:
+    """One (learning kind, preset, optimiser): one pipeline, compiled once, reused for every
+    text, seed and method by replacing its state."""
+
+    def __init__(self, study: Study, vocab: int, kind: str, preset: str, optimiser: str):
+        self.study, self.kind, self.preset, self.optimiser = study, kind, preset, optimiser
+        self.lr = study.lr[optimiser]
+        kwargs = {"window": study.window} if kind == "synaptic_uncertainty" else None
+        self.config = fusedpc.GPTConfig(
+            vocab_size=vocab, width=study.width, n_heads=study.n_heads,
+            n_blocks=study.n_blocks, ff_width=study.ff_width, max_len=study.seq_len,
+            learn=preset, learning_kind=kind, learning_kwargs=kwargs,
+        )
+        self.slots = self.config.learning_slots()
+        self.pipeline = self.fresh(0)
+        # the slots whose rate an optimiser sets (synaptic_uncertainty has its own rule)
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_leaves_with_path(self.pipeline.state)]
+        self.rated_slots = tuple(sorted({
+            slot_of_state_path(p) for p in paths if p.endswith("hyperparams['learning_rate']")
+        }, key=self.slots.index))
+
+    def fresh(self, seed: int) -> fusedpc.FusedPipeline:
+        slot_optimisers = {s: rated(self.optimiser, self.lr) for s in self.slots}
+        part, _ = fusedpc.build_gpt(self.config, rated(self.optimiser, self.lr),
+                                    jax.random.key(seed), slot_optimisers=slot_optimisers)
+        return fusedpc.FusedPipeline(part, self.config.error_fn, key=jax.random.key(seed))
+
+    def train(self, batches: data.BatchIterator, steps: int, rows: list | None = None):
+        """`steps` more steps; returns the losses. Report rows every `report_every` steps
+        go to `rows` when given."""
+        losses = []
+        done = 0
+        while done < steps:
+            k = min(self.study.per_call, steps - done)
+            xs, ys = batches.next_batches(k)
+            _, _, metrics = self.pipeline.run(xs, ys, keep_outputs=False)
+            losses.extend(np.asarray(metrics.loss).tolist())
+            if rows is not None:
+                for i in range(k):
+                    step = batches.step - k + i + 1
+                    if step % self.study.report_every == 0:
+                        rows.extend({"step": step, **r} for r in self.pipeline.report(index=i))
+            done += k
+        return losses
+
+    def loss(self, split: tuple[np.ndarray, np.ndarray]) -> float:
+        return held_out_loss(self.pipeline.predict, *split)
+
+    def seed_runs(self, text: Text, seed: int, methods: tuple[str, ...]) -> list[dict]:
+        """Every method's run for one text and seed, from one shared warm-up."""
+        study = self.study
+        t0 = time.perf_counter()
+        self.pipeline.set_state(with_rates(self.fresh(seed).state, self.lr, {}))
+        batches = data.BatchIterator(text.train, study.batch, study.seq_len, seed=seed)
+        rows: list[dict] = []
+        self.train(batches, study.warmup, rows)
+        warm = copy_state(self.pipeline.state)
+        warm_s = time.perf_counter() - t0
+        probes = [0]
+
+        def trial(multipliers: dict[str, float]) -> float:
+            self.pipeline.set_state(with_rates(warm, self.lr, multipliers), steps=study.warmup)
+            probe_batches = data.BatchIterator(text.train, study.batch, study.seq_len, seed=seed)
+            probe_batches.step = study.warmup
+            self.train(probe_batches, study.probe_steps)
+            probes[0] += study.probe_steps
+            return self.loss(text.probe)
+
+        warm_up = WarmUp(rows, trial)
+        results = []
+        for method in methods:
+            t1 = time.perf_counter()
+            probes[0] = 0
+            multipliers = METHODS[method](warm_up, self.lr, self.rated_slots)
+            self.pipeline.set_state(with_rates(warm, self.lr, multipliers), steps=study.warmup)
+            batches.step = study.warmup
+            losses = self.train(batches, study.steps - study.warmup)
+            val = self.loss(text.val)
+            results.append({
+                "multipliers": {s: round(m, 4) for s, m in multipliers.items()},
+                "method": method,
+                "val_loss": val,
+                "train_loss": float(np.mean(losses[-50:])),
+                "probe_steps": probes[0],
+                "wall_s": round(warm_s + time.perf_counter() - t1, 2),
+            })
+        return results
+
+
+def twin_run(study: Study, vocab: int, text: Text, optimiser: str, seed: int, step) -> dict:
+    """The backprop twin: the reference GPT at the same initial weights, every weight trained
+    by backpropagation with `make_optimiser(optimiser, lr)`, on the same batches."""
+    t0 = time.perf_counter()
+    config = fusedpc.GPTConfig(vocab_size=vocab, width=study.width, n_heads=study.n_heads,
+                               n_blocks=study.n_blocks, ff_width=study.ff_width,
+                               max_len=study.seq_len)
+    _, model = fusedpc.build_gpt(config, None, jax.random.key(seed))
+    optimiser_fn = make_optimiser(optimiser, study.lr[optimiser])
+    opt_state = optimiser_fn.init(eqx.filter(model, eqx.is_array))
+    batches = data.BatchIterator(text.train, study.batch, study.seq_len, seed=seed)
+    losses = []
+    for _ in range(study.steps):
+        x, y = batches.next_batch()
+        model, opt_state, loss = step[optimiser](model, opt_state, x, y)
+        losses.append(loss)
+    val = held_out_loss(lambda x: _forward(model, x), *text.val)
+    return {
+        "method": "backprop_twin",
+        "multipliers": {},
+        "val_loss": val,
+        "train_loss": float(np.mean(np.asarray(losses[-50:]))),
+        "probe_steps": 0,
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+@eqx.filter_jit
+def _forward(model, x):
+    return model(x)
+
+
+# ----------------------------------------------------------------------------- summary
+def summarise(runs: list[dict]) -> list[dict]:
+    """One line per cell and method: mean, standard deviation and range over seeds, and the
+    gaps (mean minus mean) to the cell's uncalibrated run and to the backprop twin of the
+    same text, preset and optimiser."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        key = (r["text"], r["learning_kind"], r["learn"], r["optimiser"], r["method"])
+        groups.setdefault(key, []).append(r)
+    means = {k: float(np.mean([r["val_loss"] for r in g])) for k, g in groups.items()}
+    lines = []
+    for key, group in groups.items():
+        text, kind, learn, opt, method = key
+        values = np.asarray([r["val_loss"] for r in group])
+        base = means.get((text, kind, learn, opt, "none"))
+        twin = means.get((text, "backprop", "all", opt, "backprop_twin"))
+        comparable = kind != "synaptic_uncertainty" and learn == "all" and method != "backprop_twin"
+        lines.append({
+            "kind": "summary", "text": text, "learning_kind": kind, "learn": learn,
+            "optimiser": opt, "method": method, "seeds": len(group),
+            "val_loss_mean": float(values.mean()),
+            "val_loss_std": float(values.std(ddof=1)) if len(values) > 1 else 0.0,
+            "val_loss_min": float(values.min()), "val_loss_max": float(values.max()),
+            "gap_to_none": None if base is None or method == "backprop_twin"
+            else float(values.mean() - base),
+            "gap_to_twin": float(values.mean() - twin) if comparable and twin is not None
+            else None,
+        })
+    return lines
+
+
+def plot(summary: list[dict], path: str) -> None:
+    """Validation loss per cell and method, bars at the seed mean with the seed range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    texts = sorted({s["text"] for s in summary})
+    methods = [m for m in (*METHODS, "backprop_twin") if any(s["method"] == m for s in summary)]
+    fig, axes = plt.subplots(len(texts), 1, figsize=(12, 4.5 * len(texts)), squeeze=False)
+    for ax, text in zip(axes[:, 0], texts, strict=True):
+        rows = [s for s in summary if s["text"] == text]
+        # the twins last, after the cells of the learning kinds
+        cells = sorted({(s["learning_kind"], s["learn"], s["optimiser"]) for s in rows},
+                       key=lambda c: (c[0] == "backprop", c))
+        width = 0.8 / len(methods)
+        for j, method in enumerate(methods):
+            labelled = False
+            for i, cell in enumerate(cells):
+                found = [s for s in rows if (s["learning_kind"], s["learn"], s["optimiser"])
+                         == cell and s["method"] == method]
+                if not found:
+                    continue
+                s = found[0]
+                err = [[s["val_loss_mean"] - s["val_loss_min"]],
+                       [s["val_loss_max"] - s["val_loss_mean"]]]
+                ax.bar(i + (j - (len(methods) - 1) / 2) * width, s["val_loss_mean"], width,
+                       yerr=err, capsize=2, color=f"C{j}",
+                       label=None if labelled else method)
+                labelled = True
+        ax.set_xticks(range(len(cells)))
+        ax.set_xticklabels(["\n".join(c) for c in cells], fontsize=7)
+        ax.set_ylabel("validation loss at the budget")
+        ax.set_title(f"{text}: mean over seeds, bars to the seed range")
+        values = [s["val_loss_min"] for s in rows] + [s["val_loss_max"] for s in rows]
+        finite = [v for v in values if math.isfinite(v)]
+        if finite:
+            ax.set_ylim(min(finite) - 0.1, max(finite) + 0.1)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+def names(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    chosen = tuple(v.strip() for v in value.split(",") if v.strip())
+    unknown = [v for v in chosen if v not in allowed]
+    if unknown or not chosen:
+        raise SystemExit(f"{flag}: expected a comma-separated list from {allowed}, got {value!r}.")
+    return chosen
+
+
+def parse(argv: list[str] | None) -> tuple[Study, list[str], str]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="a sample in under 5 minutes: 300 steps, 2 seeds, preset all, the "
+                        "bundled text only (other flags still override)")
+    p.add_argument("--text", default=None, help="a second text (a path) besides 'hamlet'")
+    p.add_argument("--steps", type=int, default=None,
+                   help="the step budget, rounded to whole calls of --per-call (default 1200; "
+                        "quick 300)")
+    p.add_argument("--warmup", type=float, default=0.15,
+                   help="share of the budget the warm-up takes (default 0.15)")
+    p.add_argument("--probe-steps", type=int, default=None,
+                   help="steps per probe of the probe method, rounded to whole calls "
+                        "(default 100; quick 20)")
+    p.add_argument("--per-call", type=int, default=20, help="steps per compiled call")
+    p.add_argument("--seeds", default=None, help="seeds, e.g. 0,1,2 (default; quick 0,1)")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--presets", default=None, help="default all,ff_head (quick all)")
+    p.add_argument("--optimisers", default=",".join(OPTIMISERS))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--no-twin", action="store_true", help="leave out the backprop twin")
+    p.add_argument("--lr-adam", type=float, default=BASE_LR["adam"])
+    p.add_argument("--lr-sgd", type=float, default=BASE_LR["sgd"])
+    p.add_argument("--window", type=int, default=100,
+                   help="synaptic_uncertainty's learning_kwargs['window'] (default 100)")
+    p.add_argument("--out", default="runs/calibration_study",
+                   help="folder for calibration.jsonl and calibration.png")
+    a = p.parse_args(argv)
+    steps = a.steps or (300 if a.quick else 1200)
+    seeds = a.seeds or ("0,1" if a.quick else "0,1,2")
+    def calls(n: float) -> int:  # whole calls, so that every call has one shape
+        return max(1, round(n / a.per_call)) * a.per_call
+
+    study = Study(
+        steps=calls(steps),
+        warmup=calls(a.warmup * steps),
+        probe_steps=calls(a.probe_steps or (20 if a.quick else 100)),
+        per_call=a.per_call,
+        seeds=tuple(int(s) for s in seeds.split(",")),
+        kinds=names(a.kinds, KINDS, "--kinds"),
+        presets=names(a.presets or ("all" if a.quick else ",".join(PRESETS)), PRESETS,
+                      "--presets"),
+        optimisers=names(a.optimisers, OPTIMISERS, "--optimisers"),
+        methods=names(a.methods, tuple(METHODS), "--methods"),
+        twin=not a.no_twin,
+        lr={"adam": a.lr_adam, "sgd": a.lr_sgd},
+        window=a.window,
+    )
+    if not 0 < study.warmup < study.steps:
+        raise SystemExit(f"--warmup: the warm-up ({study.warmup} steps) must lie inside the "
+                         f"budget ({study.steps}); raise --steps or lower --warmup.")
+    texts = [data.DEFAULT_TEXT] + ([a.text] if a.text else [])
+    return study, texts, a.out
+
+
+def main(argv: list[str] | None = None) -> int:
+    study, paths, out = parse(argv)
+    os.makedirs(out, exist_ok=True)
+    jsonl = open(os.path.join(out, "calibration.jsonl"), "w", encoding="utf-8")
+
+    def emit(line: dict) -> None:
+        text = json.dumps(line)
+        print(text, flush=True)
+        jsonl.write(text + "\n")
+        jsonl.flush()
+
+    began = time.perf_counter()
+    texts, vocab = load_texts(paths, study)
+    emit({"kind": "study", **dataclasses.asdict(study), "texts": [t.name for t in texts],
+          "vocab": vocab, "devices": str(jax.devices()), "jax": jax.__version__})
+    runs: list[dict] = []
+
+    def record(cell: dict, seed: int, result: dict) -> None:
+        line = {"kind": "run", **cell, "seed": seed, **result}
+        runs.append(line)
+        emit(line)
+        say(f"  {cell['text']} {cell['learning_kind']} {cell['learn']} {cell['optimiser']} "
+            f"seed {seed} {result['method']}: val {result['val_loss']:.4f} "
+            f"({result['wall_s']:.1f} s, {time.perf_counter() - began:.0f} s in all)")
+
+    for kind in study.kinds:
+        for preset in study.presets:
+            for optimiser in study.optimisers:
+                t0 = time.perf_counter()
+                cell = Cell(study, vocab, kind, preset, optimiser)
+                say(f"cell {kind} / {preset} / {optimiser} (rated slots: "
+                    f"{', '.join(cell.rated_slots) or 'none'})")
+                methods = study.methods
+                if not cell.rated_slots:
+                    if optimiser != study.optimisers[0]:
+                        emit({"kind": "skipped", "learning_kind": kind, "learn": preset,
+                              "optimiser": optimiser, "reason": f"no slot of {preset!r} takes "
+                              f"an optimiser under {kind}: identical to the "
+                              f"{study.optimisers[0]} cell"})
+                        continue
+                    methods = tuple(m for m in methods if m == "none")
+                for method in study.methods:
+                    if method not in methods:
+                        emit({"kind": "skipped", "learning_kind": kind, "learn": preset,
+                              "optimiser": optimiser, "method": method,
+                              "reason": f"{kind} sets no slot's rate through an optimiser "
+                              "here, so rate multipliers do not apply"})
+                    elif set(cell.rated_slots) != set(cell.slots) and method != "none":
+                        emit({"kind": "note", "learning_kind": kind, "learn": preset,
+                              "optimiser": optimiser, "method": method,
+                              "reason": f"only {list(cell.rated_slots)} take an optimiser "
+                              f"under {kind}; the multipliers apply to those slots alone"})
+                # a cell whose slots take no optimiser is labelled by its own rule
+                label = optimiser if cell.rated_slots else "own_rule"
+                for text in texts if methods else ():
+                    for seed in study.seeds:
+                        for result in cell.seed_runs(text, seed, methods):
+                            record({"text": text.name, "learning_kind": kind, "learn": preset,
+                                    "optimiser": label}, seed, result)
+                emit({"kind": "cell", "learning_kind": kind, "learn": preset,
+                      "optimiser": label, "wall_s": round(time.perf_counter() - t0, 1)})
+                say(f"cell done in {time.perf_counter() - t0:.0f} s (compilation included)")
+    if study.twin and "all" in study.presets:
+        steps = {o: reference.make_backprop_step(make_optimiser(o, study.lr[o]))
+                 for o in study.optimisers}
+        for optimiser in study.optimisers:
+            for text in texts:
+                for seed in study.seeds:
+                    record({"text": text.name, "learning_kind": "backprop", "learn": "all",
+                            "optimiser": optimiser}, seed,
+                           twin_run(study, vocab, text, optimiser, seed, steps))
+    summary = summarise(runs)
+    for line in summary:
+        emit(line)
+    emit({"kind": "done", "wall_s": round(time.perf_counter() - began, 1)})
+    jsonl.close()
+    plot(summary, os.path.join(out, "calibration.png"))
+    say(f"wrote {os.path.join(out, 'calibration.jsonl')} and calibration.png "
+        f"in {time.perf_counter() - began:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
