@@ -182,7 +182,9 @@ def _fused(setup, variant: str):
         pipeline.run(xs, ts, keep_outputs=False)
         jax.block_until_ready(pipeline.state)
         # `run`'s own jit (no public accessor), served from its cache: what `run` ran
-        compiled = pipeline._run_jit.lower(pipeline.carry, xs, ts, None, keep_outputs=False)
+        compiled = pipeline._run_jit.lower(
+            jax.tree_util.tree_leaves(pipeline.carry), xs, ts, None, keep_outputs=False
+        )
         compiled = compiled.compile()
         batch: tuple = (xs, ts)
     else:

@@ -126,23 +126,43 @@ class FusedPipeline:
         key = jax.random.key(0) if key is None else key
         # init copies: the part objects' own arrays must survive the first donated step.
         self._carry = self._place_carry(self.program.init(key))
-        self._last: StepMetrics | None = None
+        self._last_flat: _Flat | None = None  # the last call's metrics, as leaves
         self._last_stacked = False
-        self._pending: StepMetrics | None = None
+        self._pending_flat: _Flat | None = None
         self._outputs: dict = {}  # batch signature -> the output's shape, from the one trace
+        self._metrics_structures: dict = {}  # batch signature -> the metrics' treedef
         self._traced_output: jax.ShapeDtypeStruct | None = None
+        self._traced_metrics: Any = None
         self.trace_counts = {"step": 0, "run": 0, "predict": 0}
         # With a mesh, pin the carry's shardings (the state leaves as placed) so that the
         # donated buffers come back in place; outputs and metrics are left to propagation.
+        # The compiled programs take and give the carry as its flat list of leaves (and the
+        # metrics likewise): rebuilding the equinox modules of a tree on the host costs more
+        # than a small step's compute (measured in docs/benchmarks.md), so the trees are
+        # rebuilt only when read (`carry`, `state`, `last_metrics`, `report`, ...).
         pinned: dict[str, Any] = {}
         if self.mesh is not None:
-            carry = jax.tree_util.tree_map(lambda a: a.sharding, self._carry)
-            pinned = {"out_shardings": (carry, None)}
-        self._step_jit = jax.jit(self._step_program, donate_argnums=(0,), **pinned)
+            carry = [a.sharding for a in self._carry_flat.leaves]
+            pinned = {"out_shardings": (carry, None, None, None)}
+        self._step_jit = jax.jit(self._flat_step_program, donate_argnums=(0,), **pinned)
         self._run_jit = jax.jit(
-            self._run_program, donate_argnums=(0,), static_argnames=("keep_outputs",), **pinned
+            self._flat_run_program, donate_argnums=(0,), static_argnames=("keep_outputs",),
+            **pinned,
         )
         self._predict_jit = jax.jit(self._predict_program)
+
+    # ------------------------------------------------------------------ flat storage
+    @property
+    def _carry(self) -> StepCarry:
+        return self._carry_flat.tree
+
+    @_carry.setter
+    def _carry(self, carry: StepCarry) -> None:
+        self._carry_flat = _Flat.of(carry)
+
+    @property
+    def _last(self) -> StepMetrics | None:
+        return None if self._last_flat is None else self._last_flat.tree
 
     # ------------------------------------------------------------------ placement
     def _place_carry(self, carry: StepCarry) -> StepCarry:
@@ -176,6 +196,23 @@ class FusedPipeline:
         self.trace_counts["step"] += 1  # counted once the trace succeeded
         return result
 
+    def _flat_step_program(self, leaves, x, target, mask=None):
+        carry, out = self._step_program(self._carry_flat.rebuild(leaves), x, target, mask)
+        return self._flat_result(carry, out)
+
+    def _flat_run_program(self, leaves, xs, targets, masks=None, report_at=None,
+                          keep_outputs=True):
+        carry, out = self._run_program(
+            self._carry_flat.rebuild(leaves), xs, targets, masks, report_at, keep_outputs
+        )
+        return self._flat_result(carry, out)
+
+    def _flat_result(self, carry: StepCarry, out: StepOutput):
+        """`(carry leaves, output, input error, metrics leaves)`; the metrics' structure is
+        kept for the signature being traced (`_traced`)."""
+        metrics_leaves, self._traced_metrics = jax.tree_util.tree_flatten(out.metrics)
+        return jax.tree_util.tree_leaves(carry), out.output, out.input_error, metrics_leaves
+
     def _run_program(self, carry, xs, targets, masks=None, report_at=None, keep_outputs=True):
         if self.program.max_update_ratio is not None:
             report_at = None  # the guard reads every step's norms
@@ -194,9 +231,10 @@ class FusedPipeline:
     # ------------------------------------------------------------------ checks
     def _check_pending(self) -> None:
         """Policy `"raise"`: raise for a previous step that was not finite."""
-        if self.nonfinite != "raise" or self._pending is None:
+        if self.nonfinite != "raise" or self._pending_flat is None:
             return
-        pending, self._pending = self._pending, None
+        pending = self._pending_flat.tree
+        self._pending_flat = None
         codes = np.asarray(pending.skip_reason).reshape(-1)
         raising = (SKIP_REASONS.index("id out of range") + 1, SKIP_REASONS.index("non-finite") + 1)
         bad_steps = np.flatnonzero(np.isin(codes, raising))
@@ -226,12 +264,16 @@ class FusedPipeline:
         x_shape = jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
         t_shape = jax.ShapeDtypeStruct(jnp.shape(target), jnp.result_type(target))
         signature = (*_validation.signature(x, target, batched=False), None)
-        return self._traced(self._step_jit, signature, self._carry, x_shape, t_shape, None)
+        return self._traced(
+            self._step_jit, signature, self._carry_flat.leaves, x_shape, t_shape, None
+        )
 
     def _validate_values(self, x: Any) -> None:
         if isinstance(x, jax.Array) and not self.check_device_ids:
             x = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        self.tree.validate_input(x, "")
+        # through the class: an equinox module's bound method is itself a module, built
+        # anew at every attribute access (about a millisecond for a GPT, every step)
+        type(self.tree).validate_input(self.tree, x, "")
 
     def _validate(self, x: Any, target: Any, batched: bool, mask: Any = None) -> None:
         """Host checks that need no trace: arrays, rows, values (and `run`'s step axis, which
@@ -261,6 +303,7 @@ class FusedPipeline:
             self._traced_output = None  # never another signature's shape
             jitted.trace(*args, **kwargs)
             self._outputs[signature] = self._traced_output
+            self._metrics_structures[signature] = self._traced_metrics
         return self._outputs[signature]
 
     # ------------------------------------------------------------------ public API
@@ -279,16 +322,19 @@ class FusedPipeline:
             _validation.mask_signature(mask),
         )
         out = self._traced(
-            self._step_jit, signature, self._carry, x, target_placed, mask_placed
+            self._step_jit, signature, self._carry_flat.leaves, x, target_placed, mask_placed
         )
         _validation.check_batch_rank(x, "x", batched=False)
         _validation.check_class_ids(
             self.error_fn, target, out.shape[-1], "target", self.check_device_ids
         )
-        self._carry, result = self._step_jit(self._carry, x, target_placed, mask_placed)
-        self._last = self._pending = result.metrics
+        leaves, output, input_error, metrics = self._step_jit(
+            self._carry_flat.leaves, x, target_placed, mask_placed
+        )
+        self._carry_flat = self._carry_flat.replaced(leaves)
+        self._last_flat = self._pending_flat = _Flat(self._metrics_structures[signature], metrics)
         self._last_stacked = False
-        return result.output, result.input_error
+        return output, input_error
 
     def run(
         self,
@@ -328,7 +374,7 @@ class FusedPipeline:
         out = self._traced(
             self._run_jit,
             signature,
-            self._carry,
+            self._carry_flat.leaves,
             xs,
             targets_placed,
             masks_placed,
@@ -338,12 +384,14 @@ class FusedPipeline:
         _validation.check_class_ids(
             self.error_fn, targets, out.shape[-1], "targets", self.check_device_ids
         )
-        self._carry, result = self._run_jit(
-            self._carry, xs, targets_placed, masks_placed, report_at, keep_outputs=keep_outputs
+        leaves, outputs, input_errors, metrics = self._run_jit(
+            self._carry_flat.leaves, xs, targets_placed, masks_placed, report_at,
+            keep_outputs=keep_outputs,
         )
-        self._last = self._pending = result.metrics
+        self._carry_flat = self._carry_flat.replaced(leaves)
+        self._last_flat = self._pending_flat = _Flat(self._metrics_structures[signature], metrics)
         self._last_stacked = True
-        return result.output, result.input_error, result.metrics
+        return outputs, input_errors, self._last_flat.tree
 
     def compiled_step(self, x: Any, target: Any, mask: Any = None) -> jax.stages.Compiled:
         """The compiled step program for this batch's shapes, as `step` runs it (state
@@ -356,8 +404,9 @@ class FusedPipeline:
             *_validation.signature(x, target, batched=False),
             _validation.mask_signature(mask),
         )
-        self._traced(self._step_jit, signature, self._carry, x, target, mask)
-        return self._step_jit.lower(self._carry, x, target, mask).compile()
+        leaves = self._carry_flat.leaves
+        self._traced(self._step_jit, signature, leaves, x, target, mask)
+        return self._step_jit.lower(leaves, x, target, mask).compile()
 
     def predict(self, x: Any) -> jax.Array:
         """Forward only; never donates and leaves the state untouched.
@@ -463,8 +512,8 @@ class FusedPipeline:
             )
         counters = copy_tree(counters)
         self._carry = self._place_carry(StepCarry(copy_tree(state), counters))
-        self._last = None
-        self._pending = None
+        self._last_flat = None
+        self._pending_flat = None
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str, metadata: dict | None = None) -> None:
@@ -573,3 +622,35 @@ def _report_flags(steps: int, report_every: int | None, report_at: Any) -> Any:
         return None
     flags[-1] = True  # the last step always reports: report() reads it
     return flags
+
+
+class _Flat:
+    """A pytree held as its treedef and leaves, rebuilt into the tree only when read (and
+    then once: `tree` is kept until the leaves are replaced)."""
+
+    __slots__ = ("structure", "leaves", "_tree")
+
+    def __init__(self, structure: Any, leaves: list):
+        self.structure = structure
+        self.leaves = list(leaves)
+        self._tree: Any = None
+
+    @classmethod
+    def of(cls, tree: Any) -> _Flat:
+        leaves, structure = jax.tree_util.tree_flatten(tree)
+        flat = cls(structure, leaves)
+        flat._tree = tree
+        return flat
+
+    def rebuild(self, leaves: list) -> Any:
+        """This structure with other leaves (tracers, inside a trace)."""
+        return jax.tree_util.tree_unflatten(self.structure, leaves)
+
+    def replaced(self, leaves: list) -> _Flat:
+        return _Flat(self.structure, leaves)
+
+    @property
+    def tree(self) -> Any:
+        if self._tree is None:
+            self._tree = jax.tree_util.tree_unflatten(self.structure, self.leaves)
+        return self._tree
