@@ -406,11 +406,10 @@ class _Session:
         xs, ys = self.batches.next_batches(k)
         if self.processes > 1:
             xs, ys = make_global_batch(xs, self.mesh, 1), make_global_batch(ys, self.mesh, 1)
-        # Every step's norms: a report cadence (`run(report_at=...)`) would compile the step
-        # twice, with and without them, which costs more first-call time than a small
-        # model's steps gain (docs/performance.md).
+        # the parts' report norms only on the steps that log a report (and the call's last)
+        report_at = (self.step + 1 + np.arange(k)) % config.report_every == 0
         t0 = time.perf_counter()
-        _, _, metrics = self.pipeline.run(xs, ys, keep_outputs=False)
+        _, _, metrics = self.pipeline.run(xs, ys, keep_outputs=False, report_at=report_at)
         losses, committed = host_array(metrics.loss), host_array(metrics.committed)
         dt = time.perf_counter() - t0
         if self.step == self.start_step:
