@@ -214,10 +214,9 @@ class FusedPipeline:
         return jax.tree_util.tree_leaves(carry), out.output, out.input_error, metrics_leaves
 
     def _run_program(self, carry, xs, targets, masks=None, report_at=None, keep_outputs=True):
-        if self.program.max_update_ratio is not None:
-            report_at = None  # the guard reads every step's norms
         result = scan_steps(
-            self._recording_step, carry, xs, targets, keep_outputs, masks, report_at
+            self._recording_step, carry, xs, targets, keep_outputs, masks,
+            self.program.report_flags(report_at),
         )
         self.trace_counts["run"] += 1
         return result

@@ -529,9 +529,14 @@ class StepProgram:
         not retrace) says which steps compute their parts' report norms; the others are
         `step(..., detailed=False)`: the same update, the same commit rule, every loss, and
         NaN norms. `None` reports every step."""
-        if self.max_update_ratio is not None:
-            report_at = None  # the guard reads every step's norms
-        return scan_steps(self.step, carry, xs, targets, keep_outputs, masks, report_at)
+        return scan_steps(
+            self.step, carry, xs, targets, keep_outputs, masks, self.report_flags(report_at)
+        )
+
+    def report_flags(self, report_at: Any) -> Any:
+        """The per-step report flags `run` traces with: `None` (every step reports, one step
+        body) when `max_update_ratio` is set, since its guard reads every step's norms."""
+        return None if self.max_update_ratio is not None else report_at
 
     def predict(self, state: PyTree, x: Any) -> Any:
         """The forward walk only: the tree's output for `x` under `state`. Out-of-range token
