@@ -16,9 +16,10 @@ kept, only the rates changed) to the budget, on the same batches for every metho
 is the uncalibrated run itself. Probe steps come on top of the budget (they only choose the
 multipliers) and are counted in `probe_steps`.
 
-The rates live in the optimiser state (`optax.inject_hyperparams`, the same update as
-`fusedpc.training.make_optimiser(name, lr * m)`), so that every seed, text and method of a
-cell runs one compiled program.
+The rates' multipliers live in the optimiser state (`fusedpc.training.with_rate_multiplier`,
+as `fusedpc train --calibrate` builds them), so that every seed, text and method of a cell
+runs one compiled program; the `probe` method is `fusedpc.training.probe_rates`, what
+`fusedpc train --calibrate probe` runs.
 """
 
 from __future__ import annotations
@@ -40,7 +41,15 @@ import numpy as np
 import optax
 
 import fusedpc
-from fusedpc.training import data, make_optimiser
+from fusedpc.training import (
+    data,
+    gpt_slot,
+    make_optimiser,
+    probe_rates,
+    rate_multipliers,
+    set_rate_multipliers,
+    with_rate_multiplier,
+)
 from fusedpc.training._calibrate import calibrate_slots
 from fusedpc.transformer import reference
 
@@ -55,12 +64,12 @@ BASE_LR = {"adam": 3e-3, "sgd": 0.1}
 @dataclasses.dataclass(frozen=True)
 class WarmUp:
     """What a method may read: the report rows of the warm-up (each with its `step`), and
-    `trial(multipliers)`, which trains `probe_steps` steps from the warmed-up state at
-    those per-slot multipliers and returns the loss on the probe split (not the validation
-    split the study scores on)."""
+    `probe(groups, group)`, which runs `fusedpc.training.probe_rates` from the warmed-up
+    state on the `probe_steps` training batches that come next (those the continuation then
+    trains on; no validation data) and returns its `ProbeResult`."""
 
     rows: list[dict[str, Any]]
-    trial: Callable[[dict[str, float]], float]
+    probe: Callable[..., Any]
 
 
 Method = Callable[[WarmUp, float, tuple[str, ...]], dict[str, float]]
@@ -94,22 +103,30 @@ def method_rebalance(
     return {slot: m / mean for slot, m in rule.items()}
 
 
-PROBE_FACTORS = (0.5, 2.0)
-
-
 def method_probe(warm_up: WarmUp, base_lr: float, slots: tuple[str, ...]) -> dict[str, float]:
-    """Per slot, one at a time: train `probe_steps` from the warmed-up state with that slot's
-    rate times 0.5 and times 2 (the others at 1) and keep the factor whose probe-split loss is
-    lowest, 1 included; $2 |S| + 1$ probes in all."""
-    baseline = warm_up.trial({})
-    chosen = {}
-    for slot in slots:
-        losses = {1.0: baseline}
-        losses.update({f: warm_up.trial({slot: f}) for f in PROBE_FACTORS})
-        best = min(losses, key=lambda f: losses[f] if math.isfinite(losses[f]) else math.inf)
-        if best != 1.0:
-            chosen[slot] = best
-    return chosen
+    """`fusedpc.training.probe_rates` (what `fusedpc train --calibrate probe` runs): per
+    slot, trials with its rate x0.5 and x2 from the warmed-up state, each scored by the mean
+    loss of its last half (every batch's loss before it trains on it); each slot keeps its
+    best factor (1 included), the combined choice is tried once more and kept only if it
+    beats the baseline (else the best single change). $2|S| + 2$ trials at most."""
+    result = warm_up.probe(slots)
+    return {s: m for s, m in result.multipliers.items() if m != 1.0}
+
+
+def method_probe_global(
+    warm_up: WarmUp, base_lr: float, slots: tuple[str, ...]
+) -> dict[str, float]:
+    """A control for `probe`: the same trials with every slot as one group (the global rate
+    x0.5 or x2, 3 trials). Where it does as well as `probe`, the gain is the global rate's,
+    not the balance between slots'."""
+    rated = set(slots)
+
+    def every_slot(path: str) -> str | None:
+        return "global" if gpt_slot(path) in rated else None
+
+    result = warm_up.probe(("global",), every_slot)
+    factor = result.multipliers["global"]
+    return {} if factor == 1.0 else dict.fromkeys(slots, factor)
 
 
 METHODS: dict[str, Method] = {
@@ -117,6 +134,7 @@ METHODS: dict[str, Method] = {
     "report_rule": method_report_rule,
     "rebalance": method_rebalance,
     "probe": method_probe,
+    "probe_global": method_probe_global,
 }
 """The calibration methods by name; add one here to have the study score it."""
 
@@ -152,39 +170,18 @@ class Study:
 
 
 def rated(name: str, lr: float) -> optax.GradientTransformation:
-    """`make_optimiser(name, lr)` with the rate kept in the optimiser state (so it can be
-    changed without recompiling)."""
-    if name == "adam":
-        return optax.inject_hyperparams(optax.adam)(learning_rate=lr)
-    if name == "sgd":
-        return optax.inject_hyperparams(optax.sgd)(learning_rate=lr)
-    raise ValueError(f"--optimisers: expected names from {OPTIMISERS}, got {name!r}.")
-
-
-def slot_of_state_path(path: str) -> str:
-    """The GPT slot that a state leaf's path (`jax.tree_util.keystr`) belongs to."""
-    for slot in ("attention", "feed_forward"):
-        if f".{slot}." in path:
-            return slot
-    if any(f".{n}." in path for n in ("n1", "n2", "norm_f")):
-        return "norm"
-    for slot in ("token", "position", "head"):
-        if path.startswith(f".{slot}."):
-            return slot
-    raise ValueError(f"no GPT slot for the state path {path!r}.")
+    """`make_optimiser(name, lr)` with a rate multiplier in its state (so it can be changed
+    without recompiling), as `fusedpc train --calibrate` builds it."""
+    if name not in OPTIMISERS:
+        raise ValueError(f"--optimisers: expected names from {OPTIMISERS}, got {name!r}.")
+    return with_rate_multiplier(make_optimiser(name, lr))
 
 
 def with_rates(state, base_lr: float, multipliers: dict[str, float]):
-    """`state` with every optimiser's rate set to `base_lr` times its slot's multiplier."""
-
-    def set_rate(path, leaf):
-        name = jax.tree_util.keystr(path)
-        if not name.endswith("hyperparams['learning_rate']"):
-            return leaf
-        rate = base_lr * multipliers.get(slot_of_state_path(name), 1.0)
-        return jnp.full_like(leaf, rate)
-
-    return jax.tree_util.tree_map_with_path(set_rate, state)
+    """`state` with every rated slot's multiplier set (1 for the slots not named)."""
+    del base_lr  # the optimisers keep it; the multipliers scale it
+    every = dict.fromkeys(rate_multipliers(state), 1.0)
+    return set_rate_multipliers(state, {**every, **multipliers})
 
 
 def copy_state(state):
@@ -249,11 +246,8 @@ class Cell:
         self.slots = self.config.learning_slots()
         self.pipeline = self.fresh(0)
         # the slots whose rate an optimiser sets (synaptic_uncertainty has its own rule)
-        paths = [jax.tree_util.keystr(p) for p, _ in
-                 jax.tree_util.tree_leaves_with_path(self.pipeline.state)]
-        self.rated_slots = tuple(sorted({
-            slot_of_state_path(p) for p in paths if p.endswith("hyperparams['learning_rate']")
-        }, key=self.slots.index))
+        self.rated_slots = tuple(sorted(rate_multipliers(self.pipeline.state),
+                                        key=self.slots.index))
 
     def fresh(self, seed: int) -> fusedpc.FusedPipeline:
         slot_optimisers = {s: rated(self.optimiser, self.lr) for s in self.slots}
@@ -293,16 +287,17 @@ class Cell:
         warm = copy_state(self.pipeline.state)
         warm_s = time.perf_counter() - t0
         probes = [0]
+        probe_xs, probe_ys = batches.next_batches(study.probe_steps)  # what comes next
+        batches.step = study.warmup
 
-        def trial(multipliers: dict[str, float]) -> float:
-            self.pipeline.set_state(with_rates(warm, self.lr, multipliers), steps=study.warmup)
-            probe_batches = data.BatchIterator(text.train, study.batch, study.seq_len, seed=seed)
-            probe_batches.step = study.warmup
-            self.train(probe_batches, study.probe_steps)
-            probes[0] += study.probe_steps
-            return self.loss(text.probe)
+        def probe(groups: tuple[str, ...], group=gpt_slot):
+            self.pipeline.set_state(with_rates(warm, self.lr, {}), steps=study.warmup)
+            result = probe_rates(self.pipeline, probe_xs, probe_ys, groups=groups,
+                                 per_call=study.per_call, group=group)
+            probes[0] += result.steps
+            return result
 
-        warm_up = WarmUp(rows, trial)
+        warm_up = WarmUp(rows, probe)
         results = []
         for method in methods:
             t1 = time.perf_counter()
@@ -452,7 +447,7 @@ def parse(argv: list[str] | None) -> tuple[Study, list[str], str]:
                    help="share of the budget the warm-up takes (default 0.15)")
     p.add_argument("--probe-steps", type=int, default=None,
                    help="steps per probe of the probe method, rounded to whole calls "
-                        "(default 100; quick 20)")
+                        "(default 50, as fusedpc train's --probe-steps; quick 20)")
     p.add_argument("--per-call", type=int, default=20, help="steps per compiled call")
     p.add_argument("--seeds", default=None, help="seeds, e.g. 0,1,2 (default; quick 0,1)")
     p.add_argument("--kinds", default=",".join(KINDS))
@@ -475,7 +470,7 @@ def parse(argv: list[str] | None) -> tuple[Study, list[str], str]:
     study = Study(
         steps=calls(steps),
         warmup=calls(a.warmup * steps),
-        probe_steps=calls(a.probe_steps or (20 if a.quick else 100)),
+        probe_steps=calls(a.probe_steps or (20 if a.quick else 50)),
         per_call=a.per_call,
         seeds=tuple(int(s) for s in seeds.split(",")),
         kinds=names(a.kinds, KINDS, "--kinds"),

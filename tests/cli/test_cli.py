@@ -149,6 +149,56 @@ def test_resume_continues_bit_for_bit(train_cli, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_calibrate_probe_logs_the_rates_and_resumes_bit_for_bit(train_cli, tmp_path, capsys):
+    # Resumed at the calibration step itself: the resumed run calibrates there, on the same
+    # batches, and goes on exactly as the uninterrupted run.
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    flags = ("--calibrate", "probe", "--calibrate-at", "10", "--probe-steps", "5",
+             "--sample-tokens", "0")
+    assert train_cli("--steps", "20", *flags, "--out", str(whole)) == 0
+    assert "step 10: calibrating the rates of token, position" in capsys.readouterr().err
+    assert train_cli("--steps", "10", *flags, "--out", str(split)) == 0
+    assert "note: the calibration is at step 10, not before this run's end" in (
+        capsys.readouterr().err)
+    assert not _records(split, "calibration")  # not reached yet
+    assert main(["train", "--resume", str(split), "--steps", "20", "--compile-cache",
+                 "none"]) == 0
+    for folder in (whole, split):
+        (calibration,) = _records(folder, "calibration")
+        assert calibration["step"] == 10 and calibration["probe_steps"] % 5 == 0
+        labels = [t["label"] for t in calibration["trials"]]
+        assert labels[:3] == ["baseline", "token x0.5", "token x2"] and len(labels) >= 13
+        assert calibration["score"] <= calibration["baseline"]
+        rates = _records(folder, "rates")
+        assert rates[-1]["step"] == 10 and rates[-1]["multipliers"] == calibration["multipliers"]
+        assert (folder / "rate_multipliers.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert _records(split, "calibration") == [
+        {**r, "wall_s": _records(split, "calibration")[0]["wall_s"]}
+        for r in _records(whole, "calibration")
+    ]
+    assert [(r["step"], r["loss"]) for r in _records(split, "train")] == [
+        (r["step"], r["loss"]) for r in _records(whole, "train")
+    ]
+    a, _, config, _ = _setup.load_run(whole)
+    b, _, _, _ = _setup.load_run(split)
+    assert config.calibrate_at == 10
+    assert fusedpc.training.rate_multipliers(a.state) == calibration["multipliers"]
+    for x, y in zip(jax.tree_util.tree_leaves(a.state), jax.tree_util.tree_leaves(b.state),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_calibrate_refuses_what_it_cannot_do_in_one_line(capsys):
+    assert main(["train", "--config", str(TINY), "--calibrate", "guess"]) == 1
+    assert "calibrate must be one of ('none', 'probe', 'auto'), got 'guess'" in _one_error_line(
+        capsys)
+    assert main(["train", "--config", str(TINY), "--calibrate", "probe", "--learn", "none"]) == 1
+    assert "no slot of this model learns through an optimiser" in _one_error_line(capsys)
+    assert main(["train", "--config", str(TINY), "--calibrate", "auto", "--calibrate-at",
+                 "-1"]) == 1
+    assert "calibrate_at must be >= 0, got -1" in _one_error_line(capsys)
+
+
 def test_a_run_folder_of_fusedpc_0_1_resumes_bit_for_bit(train_cli, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert train_cli("--steps", "10", "--out", str(whole)) == 0

@@ -38,6 +38,10 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--lr-final-fraction", "the cosine's final rate, as a fraction of --lr"),
     ("--slot-lr-scales", "per-slot rate multipliers, e.g. head=0.5,attention=2 (what "
      "'fusedpc report' suggests)"),
+    ("--calibrate", "none, or probe (also: auto): calibrate every slot's rate once, at "
+     "--calibrate-at, by trial runs at x0.5 and x2 that keep what lowers the held-out loss"),
+    ("--calibrate-at", "the step of the calibration; 0: 15%% of --steps"),
+    ("--probe-steps", "steps per trial run of the calibration"),
     ("--steps", "total steps to reach"),
     ("--batch", "rows per step, per process"),
     ("--steps-per-call", "steps per compiled call (FusedPipeline.run)"),

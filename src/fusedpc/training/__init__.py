@@ -21,6 +21,17 @@ from fusedpc.training._loop import TrainResult as TrainResult
 from fusedpc.training._loop import train as train
 from fusedpc.training._optimisers import OPTIMISERS as OPTIMISERS
 from fusedpc.training._optimisers import make_optimiser as make_optimiser
+from fusedpc.training._probe import PROBE_FACTORS as PROBE_FACTORS
+from fusedpc.training._probe import ProbeResult as ProbeResult
+from fusedpc.training._probe import ProbeTrial as ProbeTrial
+from fusedpc.training._probe import choose_factors as choose_factors
+from fusedpc.training._probe import probe_rates as probe_rates
+from fusedpc.training._rates import RateMultiplierState as RateMultiplierState
+from fusedpc.training._rates import gpt_slot as gpt_slot
+from fusedpc.training._rates import rate_multipliers as rate_multipliers
+from fusedpc.training._rates import scale_by_rate_multiplier as scale_by_rate_multiplier
+from fusedpc.training._rates import set_rate_multipliers as set_rate_multipliers
+from fusedpc.training._rates import with_rate_multiplier as with_rate_multiplier
 from fusedpc.training._runtime import emulate_cpu_devices as emulate_cpu_devices
 from fusedpc.training._setup import load_run as load_run
 from fusedpc.training._table import Column as Column

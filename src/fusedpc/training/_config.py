@@ -22,6 +22,8 @@ from fusedpc.transformer._build import SLOTS, GPTConfig
 
 TOKENIZERS = ("char", "byte")
 SYNAPTIC = "synaptic_uncertainty"
+CALIBRATE_METHODS = ("none", "probe", "auto")
+"""`calibrate`'s values: `"auto"` is the method the calibration study supports, `"probe"`."""
 
 MODEL_SETTINGS = (
     "width", "n_heads", "n_blocks", "ff_width", "max_len", "learn", "learning_kind", "window",
@@ -89,6 +91,16 @@ class TrainConfig:
         slot_lr_scales: [optimiser] per-slot rate multipliers, e.g. `"head=0.5,attention=2"`
             (the multipliers `fusedpc report` suggests); each slot then gets its own
             optimiser.
+        calibrate: [optimiser] `"none"`, or `"probe"` (also spelt `"auto"`: the method the
+            calibration study supports) to calibrate every slot's rate once during the
+            run: at step `calibrate_at`, short trial runs of `probe_steps` steps each try
+            every slot's rate at x0.5 and x2 and keep what lowers their held-out loss
+            (`fusedpc.training.probe_rates`). The rates' multipliers live in the optimiser
+            state (checkpointed; changing them does not recompile) and are logged.
+        calibrate_at: [optimiser] the step of the calibration; 0: 15 % of `steps`, rounded
+            to whole calls of `steps_per_call` (recorded as a number when the run starts).
+        probe_steps: [optimiser] steps per trial run of the calibration; every slot costs
+            two trials, and the baseline and the combined choice one each.
         steps: [training] the total of steps to reach.
         batch: [training] rows per step per process, $B$.
         steps_per_call: [training] K, the steps per compiled call.
@@ -134,6 +146,9 @@ class TrainConfig:
     lr_decay_steps: int = 0
     lr_final_fraction: float = 0.1
     slot_lr_scales: str = ""
+    calibrate: str = "none"
+    calibrate_at: int = 0
+    probe_steps: int = 50
     # [training]
     steps: int = 1000
     batch: int = 16
@@ -153,6 +168,22 @@ class TrainConfig:
     devices: int = 1
     distributed: bool = False
 
+    def calibrated_slots(self) -> tuple[str, ...]:
+        """The learning slots whose rate an optax optimiser sets, the ones a calibration
+        can change (`synaptic_uncertainty`'s parts follow their own rule: only `norm`)."""
+        slots = self.gpt_config(vocab_size=1).learning_slots()
+        if self.model.learning_kind == SYNAPTIC:
+            return tuple(s for s in slots if s == "norm")
+        return tuple(slots)
+
+    def calibration_step(self) -> int:
+        """The step of the calibration: `calibrate_at`, or 15 % of `steps` rounded to whole
+        calls (at least one call) when it is 0."""
+        if self.calibrate_at:
+            return self.calibrate_at
+        per_call = self.steps_per_call
+        return max(per_call, int(round(0.15 * self.steps / per_call)) * per_call)
+
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """`model` with the tokeniser's `vocab_size`: what `build_gpt` is given."""
         return dataclasses.replace(self.model, vocab_size=vocab_size)
@@ -166,7 +197,7 @@ class TrainConfig:
         settings = config_settings(self)
         positive = (
             "width", "n_heads", "n_blocks", "ff_width", "max_len", "steps", "batch",
-            "steps_per_call", "eval_batches", "report_every", "devices",
+            "steps_per_call", "eval_batches", "report_every", "devices", "probe_steps",
         )
         for name in positive:
             value = settings[name]
@@ -174,7 +205,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         for name in (
             "seed", "eval_every", "save_every", "sample_tokens", "window", "warmup_steps",
-            "lr_decay_steps",
+            "lr_decay_steps", "calibrate_at",
         ):
             value = settings[name]
             if not value >= 0:
@@ -232,6 +263,17 @@ class TrainConfig:
             raise ValueError(
                 f"lr_decay_steps ({decay}) must exceed warmup_steps ({self.warmup_steps}) for "
                 "the cosine schedule."
+            )
+        if self.calibrate not in CALIBRATE_METHODS:
+            raise ValueError(
+                f"calibrate must be one of {CALIBRATE_METHODS}, got {self.calibrate!r}."
+            )
+        if self.calibrate != "none" and not self.calibrated_slots():
+            raise ValueError(
+                f"calibrate={self.calibrate!r}: no slot of this model learns through an "
+                f"optimiser (learn={self.model.learn!r}, learning_kind="
+                f"{self.model.learning_kind!r}), so there is no rate to calibrate; use "
+                "calibrate = \"none\"."
             )
         if not (self.max_update_ratio >= 0 and math.isfinite(self.max_update_ratio)):
             raise ValueError(
@@ -341,7 +383,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "optimiser": (
         "optimiser", "lr", "weight_decay", "clip", "lr_schedule", "warmup_steps",
         "lr_decay_steps",
-        "lr_final_fraction", "slot_lr_scales",
+        "lr_final_fraction", "slot_lr_scales", "calibrate", "calibrate_at", "probe_steps",
     ),
     "training": (
         "steps", "batch", "steps_per_call", "seed", "eval_every", "eval_batches",

@@ -14,9 +14,13 @@ into its folder:
   "message"}` for every step not committed (also printed), `{"kind": "eval", "step", "val_loss",
   "val_perplexity"}` at every evaluation, `{"kind": "report", "step", **row}` for every row of
   `pipeline.report()` every `report_every` steps, and a `{"kind": "summary", ...}` at the end;
+  with `calibrate`, `{"kind": "rates", "step", "multipliers"}` when the run starts and after
+  the calibration, and `{"kind": "calibration", "step", ...}` with every trial's score
+  (`ProbeResult.record()`);
 * `checkpoint.fpc`: `pipeline.save(path, metadata)` with the config, the tokeniser, the data
   position, the step and the elapsed time;
-* `loss.png`, `update_norm.png`, `update_ratio.png` (see `fusedpc.training._plots`).
+* `loss.png`, `update_norm.png`, `update_ratio.png`, and with `calibrate`
+  `rate_multipliers.png` (see `fusedpc.training._plots`).
 
 Resuming (`resume_from=`) reloads the checkpoint and the data position; batch `k` of the run
 depends only on `(seed, k)` (see `fusedpc.training.data.BatchIterator`), so a resumed run draws the
@@ -60,7 +64,9 @@ from fusedpc.training._config_file import (
 from fusedpc.training._evaluate import evaluate, host_array
 from fusedpc.training._log import LOG_NAME, RunLog, read_log
 from fusedpc.training._memory import check_run_memory
+from fusedpc.training._probe import probe_rates
 from fusedpc.training._progress import Progress, format_duration
+from fusedpc.training._rates import rate_multipliers, set_rate_multipliers
 from fusedpc.training._run_folder import RunFolder, default_out
 from fusedpc.training._runtime import StopRequest, device_info, join_processes
 from fusedpc.training._setup import (
@@ -323,6 +329,12 @@ class _Session:
                            "run_step": self.init_step})
         self.device = {**device_info(), "parameters": self.parameters}
         self.log.emit({"kind": "run", "step": self.step, **self.device})
+        self.calibration_step = (
+            None if config.calibrate == "none" else config.calibration_step()
+        )
+        if self.calibration_step is not None:
+            self.log.emit({"kind": "rates", "step": self.step,
+                           "multipliers": rate_multipliers(self.pipeline.state)})
         if changed:
             self.log.emit({"kind": "config_change", "step": self.step, "changed": changed})
         self.progress = Progress(
@@ -331,6 +343,7 @@ class _Session:
         )
         self.began = time.perf_counter()
         self.compile_s, self.steady_s, self.steady_tokens = 0.0, 0.0, 0
+        self.calibration_s = 0.0
         self.val_loss, self.val_step = float("nan"), -1
         model = config.model
         self.say(
@@ -351,6 +364,12 @@ class _Session:
             self.say(f"warning: {self.torn_log_message}")
         for name, (trained, now) in changed.items():
             self.say(f"config change (--allow-config-change): {name} {trained!r} -> {now!r}")
+        if self.calibration_step is not None and self.calibration_step >= config.steps:
+            self.say(
+                f"note: the calibration is at step {self.calibration_step}, not before this "
+                f"run's end (--steps {config.steps}): it happens when the run is resumed "
+                "with more steps"
+            )
 
     def _rate(self, count: int) -> float:
         """The base learning rate at optimiser count `count` (slot scales multiply it)."""
@@ -401,6 +420,11 @@ class _Session:
         records; returns the last step's loss."""
         config = self.config
         k = call_size(self.step, config.steps, config.steps_per_call)
+        if self.calibration_step is not None:
+            if self.step == self.calibration_step:
+                self.calibrate()
+            elif self.step < self.calibration_step:  # a call ends where it happens
+                k = min(k, self.calibration_step - self.step)
         xs: np.ndarray | jax.Array
         ys: np.ndarray | jax.Array
         xs, ys = self.batches.next_batches(k)
@@ -444,6 +468,49 @@ class _Session:
         if _crossed(config.save_every, self.step - k, self.step):
             self.save()
         return float(losses[-1])
+
+    def calibrate(self) -> None:
+        """Probe every calibrated slot's rate on the next `probe_steps` batches (which the
+        run then trains on as usual: the data position does not move) and apply the
+        choice; logged as a `calibration` and a `rates` record."""
+        config = self.config
+        t0 = time.perf_counter()
+        position = self.batches.step
+        xs: np.ndarray | jax.Array
+        ys: np.ndarray | jax.Array
+        xs, ys = self.batches.next_batches(config.probe_steps)
+        self.batches.step = position
+        if self.processes > 1:
+            xs, ys = make_global_batch(xs, self.mesh, 1), make_global_batch(ys, self.mesh, 1)
+        self.say(
+            f"step {self.step}: calibrating the rates of {', '.join(config.calibrated_slots())} "
+            f"by trial runs of {config.probe_steps} steps"
+        )
+        result = probe_rates(
+            self.pipeline, xs, ys, groups=config.calibrated_slots(),
+            per_call=config.steps_per_call,
+        )
+        self.pipeline.set_state(
+            set_rate_multipliers(self.pipeline.state, result.multipliers),
+            counters=self.pipeline.counters,
+        )
+        wall = time.perf_counter() - t0
+        self.calibration_s += wall
+        self.log.emit({"kind": "calibration", "step": self.step, **result.record(),
+                       "wall_s": wall})
+        self.log.emit({"kind": "rates", "step": self.step,
+                       "multipliers": rate_multipliers(self.pipeline.state)})
+        if result.changed:
+            changed = ", ".join(f"{g} x{f:g}" for g, f in result.changed.items())
+            self.say(
+                f"calibrated in {format_duration(wall)} ({result.steps} trial steps): {changed}"
+                f"; trial loss {result.baseline:.4f} -> {result.score:.4f}"
+            )
+        else:
+            self.say(
+                f"calibrated in {format_duration(wall)} ({result.steps} trial steps): no "
+                f"change lowered the trial loss ({result.baseline:.4f}); the rates stay"
+            )
 
     def sample(self) -> tuple[str, str]:
         """`(prompt, whole text)`: the start of the validation text and its continuation."""
@@ -572,6 +639,9 @@ def train(
     if config.lr_schedule == "cosine" and config.lr_decay_steps == 0 and resume_from is None:
         # recorded as a number: a resumed run that goes further keeps this schedule
         config = dataclasses.replace(config, lr_decay_steps=config.steps)
+    if config.calibrate != "none" and config.calibrate_at == 0 and resume_from is None:
+        # recorded as a number too: a resumed run with more steps calibrates where it did
+        config = dataclasses.replace(config, calibrate_at=config.calibration_step())
     if config.distributed:
         join_processes()
     session = _Session(

@@ -157,6 +157,45 @@ def plot_per_part(
     return path
 
 
+def rate_series(records: list[dict[str, Any]], last_step: int | None = None
+                ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """`{slot: (steps, multipliers)}` from the `rates` records, as steps: each value holds
+    from its record's step to the next one's (the last to `last_step`, the run's last logged
+    step by default)."""
+    rates = [r for r in records if r.get("kind") == "rates"]
+    if last_step is None:
+        last_step = max((int(r.get("step", 0)) for r in records), default=0)
+    series: dict[str, tuple[list, list]] = {}
+    for i, r in enumerate(rates):
+        end = rates[i + 1]["step"] if i + 1 < len(rates) else max(last_step, r["step"])
+        for slot, m in r["multipliers"].items():
+            steps, values = series.setdefault(slot, ([], []))
+            steps.extend([r["step"], end])
+            values.extend([float(m), float(m)])
+    return {s: (np.asarray(a, np.float64), np.asarray(b, np.float64))
+            for s, (a, b) in series.items()}
+
+
+def plot_rates(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """Each slot's rate multiplier over training (log scale), from the `rates` records."""
+    series = rate_series(records)
+    figure = _figure(10.0, 5.0)
+    ax = figure.add_subplot()
+    for (slot, (steps, values)), colour in zip(series.items(), _colours(len(series)),
+                                               strict=True):
+        ax.plot(steps, values, color=colour, linewidth=1.4, label=slot)
+    ax.set_yscale("log", base=2)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+    ax.set_xlabel("step")
+    ax.set_ylabel("rate multiplier")
+    ax.set_title("rate multiplier per slot (calibration)")
+    ax.grid(True, which="both", alpha=0.25)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, bbox_inches="tight")
+    return path
+
+
 def _colours(n: int) -> list:
     from matplotlib import colormaps
 
@@ -167,7 +206,8 @@ def _colours(n: int) -> list:
 def render_all(
     records: list[dict[str, Any]], folder: str | os.PathLike, target: float | None = None
 ) -> list[Path]:
-    """`loss.png`, `update_norm.png` and `update_ratio.png` in `folder`; returns their paths.
+    """`loss.png`, `update_norm.png` and `update_ratio.png` in `folder`, and
+    `rate_multipliers.png` when the log has `rates` records; returns their paths.
 
     `target` draws the target update/weight ratio as a dashed line on `update_ratio.png`.
     """
@@ -177,4 +217,6 @@ def render_all(
     for key, (name, label) in PLOTS.items():
         paths.append(plot_per_part(records, key, folder / name, label,
                                    target if key == "update_ratio" else None))
+    if any(r.get("kind") == "rates" for r in records):
+        paths.append(plot_rates(records, folder / "rate_multipliers.png"))
     return paths

@@ -16,6 +16,7 @@ from fusedpc.training import data
 from fusedpc.training._config import TrainConfig
 from fusedpc.training._config_file import CHECKPOINT_NAME, resume_config
 from fusedpc.training._optimisers import learning_rate_schedule, make_optimiser
+from fusedpc.training._rates import with_rate_multiplier
 from fusedpc.transformer._build import build_gpt
 
 
@@ -32,8 +33,12 @@ def config_schedule(config: TrainConfig, scale: float = 1.0):
 
 def config_optimiser(config: TrainConfig, scale: float = 1.0):
     """The optax optimiser named by `config.optimiser` at rate `scale * config.lr`, on the
-    config's schedule (warm-up, then constant or cosine)."""
-    return make_optimiser(config.optimiser, config_schedule(config, scale), config.weight_decay)
+    config's schedule (warm-up, then constant or cosine); with a calibration, its rate
+    multiplier in the state (`with_rate_multiplier`)."""
+    optimiser = make_optimiser(
+        config.optimiser, config_schedule(config, scale), config.weight_decay
+    )
+    return optimiser if config.calibrate == "none" else with_rate_multiplier(optimiser)
 
 
 def resolve_tokenizer(

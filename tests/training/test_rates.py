@@ -1,0 +1,187 @@
+"""Rate multipliers in the optimiser state and calibration by probes (the library side;
+`fusedpc train --calibrate` end to end: tests/cli/test_cli.py)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import fusedpc
+from fusedpc.training import (
+    RateMultiplierState,
+    choose_factors,
+    make_optimiser,
+    probe_rates,
+    rate_multipliers,
+    set_rate_multipliers,
+    with_rate_multiplier,
+)
+from fusedpc.training import data as fdata
+
+CONFIG = fusedpc.GPTConfig(vocab_size=32, width=16, n_heads=2, n_blocks=1, ff_width=32,
+                           max_len=16)
+
+
+def _pipeline(optimiser, slot_optimisers=None, seed=0):
+    part, _ = fusedpc.build_gpt(CONFIG, optimiser, jax.random.key(seed),
+                                slot_optimisers=slot_optimisers)
+    return fusedpc.FusedPipeline(part, CONFIG.error_fn, key=jax.random.key(seed))
+
+
+def _batches(n, seed=0):
+    ids = np.random.default_rng(seed).integers(0, 32, 4000).astype(np.int32)
+    ids[1::2] = (ids[::2] * 3 + 1) % 32  # something to learn
+    return fdata.BatchIterator(ids, 8, 16, seed=seed).next_batches(n)
+
+
+def _params(pipeline):
+    """Every state leaf but the multipliers (weights and optimiser moments) as one float64
+    vector."""
+    leaves = jax.tree_util.tree_leaves(
+        pipeline.state, is_leaf=lambda n: isinstance(n, RateMultiplierState))
+    return np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in leaves
+                           if not isinstance(a, RateMultiplierState)])
+
+
+# ------------------------------------------------------------------ the multiplier itself
+def test_multiplier_one_leaves_every_update_bit_for_bit():
+    xs, ys = _batches(6)
+    plain = _pipeline(make_optimiser("adam", 3e-3))
+    scaled = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
+    _, _, a = plain.run(xs, ys, keep_outputs=False)
+    _, _, b = scaled.run(xs, ys, keep_outputs=False)
+    np.testing.assert_array_equal(np.asarray(a.loss), np.asarray(b.loss))
+    np.testing.assert_array_equal(_params(plain), _params(scaled))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_a_multiplier_is_the_optimiser_at_that_multiple_of_its_rate(name):
+    xs, ys = _batches(5)
+    rate = 0.05 if name == "sgd" else 3e-3
+    reference = _pipeline(make_optimiser(name, rate * 0.25))
+    scaled = _pipeline(with_rate_multiplier(make_optimiser(name, rate)))
+    scaled.set_state(set_rate_multipliers(scaled.state, dict.fromkeys(
+        rate_multipliers(scaled.state), 0.25)))
+    reference.run(xs, ys, keep_outputs=False)
+    scaled.run(xs, ys, keep_outputs=False)
+    # rtol 1e-5: (rate * u) * m against (rate * m) * u round differently in the last bits,
+    # and five steps carry it on
+    np.testing.assert_allclose(_params(scaled), _params(reference), rtol=1e-5, atol=1e-7)
+    assert not np.allclose(_params(scaled), _params(_pipeline(make_optimiser(name, rate))))
+
+
+def test_multipliers_read_and_set_by_slot_and_bad_input_is_refused_untouched():
+    pipeline = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
+    state = pipeline.state
+    assert rate_multipliers(state) == dict.fromkeys(
+        ("token", "position", "norm", "attention", "feed_forward", "head"), 1.0)
+    new = set_rate_multipliers(state, {"head": 0.5, "attention": 4.0})
+    assert rate_multipliers(new)["head"] == 0.5 and rate_multipliers(new)["attention"] == 4.0
+    assert rate_multipliers(state)["head"] == 1.0  # a new state; the old one unchanged
+    assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
+    with pytest.raises(ValueError, match=r"no rate multiplier belongs to \['heads'\]; the state "
+                                         r"has \['attention'"):
+        set_rate_multipliers(state, {"heads": 2.0})
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"multipliers\['head'\]: expected a positive "
+                                             r"finite number, got"):
+            set_rate_multipliers(state, {"head": bad})
+    assert rate_multipliers(pipeline.state)["head"] == 1.0
+    plain = _pipeline(make_optimiser("adam", 3e-3))
+    assert rate_multipliers(plain.state) == {}
+    with pytest.raises(ValueError, match="carry no rate multiplier; build them with"):
+        probe_rates(plain, *_batches(2))
+
+
+def test_changing_multipliers_does_not_retrace_and_a_checkpoint_keeps_them(tmp_path):
+    xs, ys = _batches(4)
+    pipeline = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
+    pipeline.run(xs, ys, keep_outputs=False)
+    traces = dict(pipeline.trace_counts)
+    pipeline.set_state(set_rate_multipliers(pipeline.state, {"head": 0.125}),
+                       counters=pipeline.counters)
+    pipeline.run(xs, ys, keep_outputs=False)
+    assert pipeline.trace_counts == traces
+    pipeline.save(str(tmp_path / "c.fpc"))
+    restored = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
+    restored.load(str(tmp_path / "c.fpc"))
+    assert rate_multipliers(restored.state)["head"] == 0.125
+    _, _, a = pipeline.run(xs, ys, keep_outputs=False)
+    _, _, b = restored.run(xs, ys, keep_outputs=False)
+    np.testing.assert_array_equal(np.asarray(a.loss), np.asarray(b.loss))
+    for x, y in zip(jax.tree_util.tree_leaves(pipeline.state),
+                    jax.tree_util.tree_leaves(restored.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ------------------------------------------------------------------ the probe's rule
+def test_choose_factors_keeps_the_lowest_score_and_never_a_non_finite_one():
+    scores = {
+        "attention": {0.5: 2.0, 2.0: 1.9},  # x2 lowest
+        "head": {0.5: 1.8, 2.0: 2.5},  # x0.5 lowest
+        "norm": {0.5: 2.2, 2.0: 2.1},  # both worse than the baseline: keeps 1
+        "token": {0.5: math.nan, 2.0: math.inf},  # non-finite never wins
+        "position": {0.5: 2.05, 2.0: 2.05},  # a tie with the baseline keeps 1
+    }
+    assert choose_factors(2.05, scores) == {"attention": 2.0, "head": 0.5}
+    assert choose_factors(math.nan, {"head": {0.5: 3.0, 2.0: math.inf}}) == {"head": 0.5}
+    assert choose_factors(1.0, {"head": {0.5: 1.0, 2.0: 1.0}}) == {}
+
+
+def test_probes_leave_the_pipeline_exactly_as_they_found_it():
+    xs, ys = _batches(12)
+    pipeline = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
+    pipeline.run(xs[:4], ys[:4], keep_outputs=False)
+    before = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(pipeline.state)]
+    steps = pipeline.steps
+    result = probe_rates(pipeline, xs[4:], ys[4:], groups=("attention", "head"), per_call=4)
+    assert [t.label for t in result.trials][:5] == [
+        "baseline", "attention x0.5", "attention x2", "head x0.5", "head x2"]
+    assert result.steps == 8 * len(result.trials)
+    assert pipeline.steps == steps
+    for x, y in zip(before, jax.tree_util.tree_leaves(pipeline.state), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    # the score of a trial is its loss tail, recomputed here from its own run
+    again = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
+    again.set_state(pipeline.state, counters=pipeline.counters)
+    _, _, m = again.run(xs[4:], ys[4:], keep_outputs=False)
+    assert result.baseline == pytest.approx(float(np.mean(np.asarray(m.loss)[4:])), rel=1e-6)
+    assert result.score <= result.baseline and result.gain >= 0
+    with pytest.raises(ValueError, match=r"groups: \['heads'\] carry no rate multiplier"):
+        probe_rates(pipeline, xs, ys, groups=("heads",))
+    with pytest.raises(ValueError, match="factors: expected positive numbers other than 1"):
+        probe_rates(pipeline, xs, ys, factors=(1.0, 2.0))
+
+
+def test_probing_brings_a_mis_scaled_part_down_and_ends_with_a_lower_loss():
+    # The head at 100 times the others' rate: three rounds of probes, each from where the
+    # run is, bring it down towards the others; the run ends lower than the uncalibrated one.
+    xs, ys = _batches(160, seed=1)
+    rate = 2e-2
+
+    def run(calibrate: bool) -> tuple[float, float]:
+        pipeline = _pipeline(
+            with_rate_multiplier(optax.sgd(rate)),
+            slot_optimisers={"head": with_rate_multiplier(optax.sgd(rate * 100))},
+        )
+        losses = []
+        for round_ in range(4):
+            start = 40 * round_
+            if calibrate and round_ < 3:
+                result = probe_rates(pipeline, xs[start:start + 20], ys[start:start + 20],
+                                     groups=("head",), per_call=10)
+                pipeline.set_state(set_rate_multipliers(pipeline.state, result.multipliers),
+                                   counters=pipeline.counters)
+            for k in range(start, start + 40, 10):
+                _, _, m = pipeline.run(xs[k:k + 10], ys[k:k + 10], keep_outputs=False)
+                losses.extend(np.asarray(m.loss).tolist())
+        return rate_multipliers(pipeline.state)["head"], float(np.mean(losses[-20:]))
+
+    head, calibrated = run(True)
+    _, uncalibrated = run(False)
+    assert head < 1.0  # lowered at least once of three rounds (each x0.5 at most)
+    assert calibrated < uncalibrated
