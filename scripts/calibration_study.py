@@ -47,6 +47,7 @@ from fusedpc.training import (
     make_optimiser,
     probe_rates,
     rate_multipliers,
+    scale_by_rate_multiplier,
     set_rate_multipliers,
     with_rate_multiplier,
 )
@@ -244,16 +245,26 @@ class Cell:
             learn=preset, learning_kind=kind, learning_kwargs=kwargs,
         )
         self.slots = self.config.learning_slots()
+        # whether any slot learns through the optimiser (else Adam and SGD cells are one)
+        self.uses_optimiser = not all(self.own_rule(s) for s in self.slots)
         self.pipeline = self.fresh(0)
         # the slots whose rate an optimiser sets (synaptic_uncertainty has its own rule)
         self.rated_slots = tuple(sorted(rate_multipliers(self.pipeline.state),
                                         key=self.slots.index))
 
     def fresh(self, seed: int) -> fusedpc.FusedPipeline:
-        slot_optimisers = {s: rated(self.optimiser, self.lr) for s in self.slots}
+        # synaptic_uncertainty's own steps take a bare multiplier; the LayerNorms the optimiser
+        slot_optimisers = {
+            s: scale_by_rate_multiplier() if self.own_rule(s) else rated(self.optimiser, self.lr)
+            for s in self.slots
+        }
         part, _ = fusedpc.build_gpt(self.config, rated(self.optimiser, self.lr),
                                     jax.random.key(seed), slot_optimisers=slot_optimisers)
         return fusedpc.FusedPipeline(part, self.config.error_fn, key=jax.random.key(seed))
+
+    def own_rule(self, slot: str) -> bool:
+        """Whether `slot` learns by synaptic_uncertainty's own rule (not the optimiser)."""
+        return self.kind == "synaptic_uncertainty" and slot != "norm"
 
     def train(self, batches: data.BatchIterator, steps: int, rows: list | None = None):
         """`steps` more steps; returns the losses. Report rows every `report_every` steps
@@ -366,7 +377,7 @@ def summarise(runs: list[dict]) -> list[dict]:
         values = np.asarray([r["val_loss"] for r in group])
         base = means.get((text, kind, learn, opt, "none"))
         twin = means.get((text, "backprop", "all", opt, "backprop_twin"))
-        comparable = kind != "synaptic_uncertainty" and learn == "all" and method != "backprop_twin"
+        comparable = learn == "all" and method != "backprop_twin"
         lines.append({
             "kind": "summary", "text": text, "learning_kind": kind, "learn": learn,
             "optimiser": opt, "method": method, "seeds": len(group),
@@ -378,6 +389,49 @@ def summarise(runs: list[dict]) -> list[dict]:
             "gap_to_twin": float(values.mean() - twin) if comparable and twin is not None
             else None,
         })
+    return lines
+
+
+def targets(summary: list[dict]) -> list[dict]:
+    """Per method, the issue's targets read off the summary. The *spread* of a comparison
+    is the larger of the two seed standard deviations.
+
+    * `worse_cells`: cells where the method's mean is above `none`'s by more than the spread
+      (the target: none);
+    * `behind_twin`: cells (preset `all`) where `none` is above the twin by more than the
+      spread, and `helped`: those of them where the method is below `none` by more than the
+      spread (the target: at least half);
+    * `gap_closed`: per `standard` and `synaptic_uncertainty` cell of preset `all`, the share
+      of `none`'s gap to the twin that the method closes, $(\bar l_{none} - \bar l_m) /
+      (\bar l_{none} - \bar l_{twin})$ (the target: >= 0.5), where there is a gap."""
+    by_key = {(s["text"], s["learning_kind"], s["learn"], s["optimiser"], s["method"]): s
+              for s in summary}
+    methods = sorted({s["method"] for s in summary} - {"none", "backprop_twin"})
+    lines = []
+    for method in methods:
+        worse, behind, helped, closed = [], [], [], {}
+        for (text, kind, learn, opt, m), s in by_key.items():
+            if m != method:
+                continue
+            none = by_key.get((text, kind, learn, opt, "none"))
+            if none is None:
+                continue
+            cell = f"{text}/{kind}/{learn}/{opt}"
+            spread = max(s["val_loss_std"], none["val_loss_std"])
+            if s["val_loss_mean"] > none["val_loss_mean"] + spread:
+                worse.append(cell)
+            twin = by_key.get((text, "backprop", "all", opt, "backprop_twin"))
+            if learn != "all" or twin is None:
+                continue
+            gap = none["val_loss_mean"] - twin["val_loss_mean"]
+            if gap > max(none["val_loss_std"], twin["val_loss_std"]):
+                behind.append(cell)
+                if s["val_loss_mean"] < none["val_loss_mean"] - spread:
+                    helped.append(cell)
+            if kind in ("standard", "synaptic_uncertainty") and gap > 0:
+                closed[cell] = (none["val_loss_mean"] - s["val_loss_mean"]) / gap
+        lines.append({"kind": "targets", "method": method, "worse_cells": worse,
+                      "behind_twin": behind, "helped": helped, "gap_closed": closed})
     return lines
 
 
@@ -489,7 +543,33 @@ def parse(argv: list[str] | None) -> tuple[Study, list[str], str]:
     return study, texts, a.out
 
 
+def write_evidence(jsonl: str, path: str) -> None:
+    """The study's settings and summary lines from `jsonl` as the evidence file `fusedpc
+    report` reads (`src/fusedpc/training/calibration_evidence.json` in the package)."""
+    with open(jsonl, encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    settings = next(line for line in lines if line["kind"] == "study")
+    evidence = {
+        "study": {k: settings[k] for k in ("steps", "warmup", "probe_steps", "seeds", "texts",
+                                           "lr", "width", "n_heads", "n_blocks", "seq_len",
+                                           "batch", "jax")},
+        "cells": [{k: v for k, v in line.items() if k != "kind"}
+                  for line in lines if line["kind"] == "summary"],
+        "targets": [line for line in lines if line["kind"] == "targets"],
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(evidence, f, indent=1)
+        f.write("\n")
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--evidence-from"]:  # convert a finished study's JSONL, nothing else
+        if len(argv) != 3:
+            raise SystemExit("usage: calibration_study.py --evidence-from JSONL OUT.json")
+        write_evidence(argv[1], argv[2])
+        return 0
     study, paths, out = parse(argv)
     os.makedirs(out, exist_ok=True)
     jsonl = open(os.path.join(out, "calibration.jsonl"), "w", encoding="utf-8")
@@ -522,13 +602,13 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"cell {kind} / {preset} / {optimiser} (rated slots: "
                     f"{', '.join(cell.rated_slots) or 'none'})")
                 methods = study.methods
+                if not cell.uses_optimiser and optimiser != study.optimisers[0]:
+                    emit({"kind": "skipped", "learning_kind": kind, "learn": preset,
+                          "optimiser": optimiser, "reason": f"no slot of {preset!r} takes "
+                          f"an optimiser under {kind}: identical to the "
+                          f"{study.optimisers[0]} cell"})
+                    continue
                 if not cell.rated_slots:
-                    if optimiser != study.optimisers[0]:
-                        emit({"kind": "skipped", "learning_kind": kind, "learn": preset,
-                              "optimiser": optimiser, "reason": f"no slot of {preset!r} takes "
-                              f"an optimiser under {kind}: identical to the "
-                              f"{study.optimisers[0]} cell"})
-                        continue
                     methods = tuple(m for m in methods if m == "none")
                 for method in study.methods:
                     if method not in methods:
@@ -542,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
                               "reason": f"only {list(cell.rated_slots)} take an optimiser "
                               f"under {kind}; the multipliers apply to those slots alone"})
                 # a cell whose slots take no optimiser is labelled by its own rule
-                label = optimiser if cell.rated_slots else "own_rule"
+                label = optimiser if cell.uses_optimiser else "own_rule"
                 for text in texts if methods else ():
                     for seed in study.seeds:
                         for result in cell.seed_runs(text, seed, methods):
@@ -563,8 +643,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(runs)
     for line in summary:
         emit(line)
+    for line in targets(summary):
+        emit(line)
     emit({"kind": "done", "wall_s": round(time.perf_counter() - began, 1)})
     jsonl.close()
+    write_evidence(os.path.join(out, "calibration.jsonl"),
+                   os.path.join(out, "calibration_evidence.json"))
     plot(summary, os.path.join(out, "calibration.png"))
     say(f"wrote {os.path.join(out, 'calibration.jsonl')} and calibration.png "
         f"in {time.perf_counter() - began:.0f} s")

@@ -44,7 +44,29 @@ def test_02_swap_gpt_slots():
 
 def test_03_calibrate_rates():
     g = _run("03_calibrate_rates.py")
-    before = {c.part: c for c in g["table"]}
-    assert before["parts[0]"].multiplier < 0.5 < 2.0 < before["parts[3]"].multiplier
+    bad = g["BAD"]
+    # the diagnostic table points at the mis-scaled part, and lowers every rate
+    before = {c.part: c.multiplier for c in g["table"]}
+    others = [m for part, m in before.items() if part != bad]
+    assert before[bad] < 0.1 < min(others) and max(before.values()) < 1.0
+    # after the rule every part's update ratio is within half a decade of the target
     after = [c.median_ratio for c in g["table_after"]]
     assert np.all(np.abs(np.log10(np.asarray(after) / g["TARGET"])) < 0.5)
+    # probe calibration: not worse than leaving the rates alone, at the same budget
+    heldout = g["heldout"]
+    assert set(heldout) == {"none", "report_rule", "probe"}
+    assert all(np.isfinite(v) for v in heldout.values())
+    assert heldout["probe"] <= heldout["none"]
+    assert heldout["probe"] < heldout["report_rule"]
+    # the mis-scaled (too fast) part was slowed down, against every other part
+    chosen = g["chosen"]
+    assert set(chosen) == set(before)
+    assert chosen[bad] < 1.0
+    assert all(chosen[bad] < m for part, m in chosen.items() if part != bad)
+    # the probes cost extra steps: every trial of every round ran K steps
+    results = g["results"]
+    assert len(results) == g["ROUNDS"]
+    for r in results:
+        assert r.steps == len(r.trials) * g["K"]
+        assert len(r.trials) >= 1 + 2 * len(chosen)  # a baseline, then each part x0.5 and x2
+    assert g["probe_steps"] == sum(r.steps for r in results)

@@ -167,7 +167,8 @@ def test_calibrate_probe_logs_the_rates_and_resumes_bit_for_bit(train_cli, tmp_p
         (calibration,) = _records(folder, "calibration")
         assert calibration["step"] == 10 and calibration["probe_steps"] % 5 == 0
         labels = [t["label"] for t in calibration["trials"]]
-        assert labels[:3] == ["baseline", "token x0.5", "token x2"] and len(labels) >= 13
+        assert labels[:5] == ["baseline", "all x0.5", "all x2", "token x0.5", "token x2"]
+        assert len(labels) >= 15
         assert calibration["score"] <= calibration["baseline"]
         rates = _records(folder, "rates")
         assert rates[-1]["step"] == 10 and rates[-1]["multipliers"] == calibration["multipliers"]
@@ -193,7 +194,7 @@ def test_calibrate_refuses_what_it_cannot_do_in_one_line(capsys):
     assert "calibrate must be one of ('none', 'probe', 'auto'), got 'guess'" in _one_error_line(
         capsys)
     assert main(["train", "--config", str(TINY), "--calibrate", "probe", "--learn", "none"]) == 1
-    assert "no slot of this model learns through an optimiser" in _one_error_line(capsys)
+    assert "no slot of this model learns (learn='none')" in _one_error_line(capsys)
     assert main(["train", "--config", str(TINY), "--calibrate", "auto", "--calibrate-at",
                  "-1"]) == 1
     assert "calibrate_at must be >= 0, got -1" in _one_error_line(capsys)

@@ -27,15 +27,23 @@ nothing is skipped) and with none (`nonfinite="ignore"`): the guards' cost, side
 CADENCE_VARIANTS = ("fused_run_cadence",)
 """`fused_run` with the parts' report norms on the call's last step only
 (`run(..., report_every=k)`)."""
-RUN_VARIANTS = ("fused_run", "fused_run_scan", "fused_run_unrolled", *CADENCE_VARIANTS)
+CALIBRATED_VARIANTS = ("fused_calibrated", "fused_run_calibrated")
+"""`fused` and `fused_run` with every optimiser carrying a rate multiplier
+(`fusedpc.training.with_rate_multiplier`, as `fusedpc train --calibrate` builds them): the
+automatic calibration's cost per step, side by side with `fused` and `fused_run`."""
+RUN_VARIANTS = (
+    "fused_run", "fused_run_scan", "fused_run_unrolled", *CADENCE_VARIANTS,
+    "fused_run_calibrated",
+)
 """The variants that time `FusedPipeline.run` (`k` steps per call)."""
 FUSED_VARIANTS = (
     "fused", "fused_run", *SCANNED_VARIANTS, *UNROLLED_VARIANTS, *GUARD_VARIANTS,
-    *CADENCE_VARIANTS,
+    *CADENCE_VARIANTS, *CALIBRATED_VARIANTS,
 )
 """Every variant that runs a `FusedPipeline`."""
 ALL_VARIANTS = (
-    VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + GUARD_VARIANTS + CADENCE_VARIANTS + PROBES
+    VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + GUARD_VARIANTS + CADENCE_VARIANTS
+    + CALIBRATED_VARIANTS + PROBES
 )
 """Every name `--variants` accepts."""
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from fusedpc.bench._args import (
     CADENCE_VARIANTS,
+    CALIBRATED_VARIANTS,
     FUSED_VARIANTS,
     RUN_VARIANTS,
     SCANNED_VARIANTS,
@@ -105,19 +106,24 @@ class Setup:
             compute_dtype=args.dtype,
         )
 
-    def build(self, scan: bool | str):
-        """`(config, part, reference)`: the config and `fusedpc.build_gpt`'s part and twin."""
+    def build(self, scan: bool | str, rate_multiplier: bool = False):
+        """`(config, part, reference)`: the config and `fusedpc.build_gpt`'s part and twin;
+        with `rate_multiplier`, the optimiser carries one (`with_rate_multiplier`)."""
         import fusedpc
+        from fusedpc.training import with_rate_multiplier
 
         config = self.config(scan)
-        part, reference = fusedpc.build_gpt(config, self.optimiser, self.model_key)
+        optimiser = with_rate_multiplier(self.optimiser) if rate_multiplier else self.optimiser
+        part, reference = fusedpc.build_gpt(config, optimiser, self.model_key)
         return config, part, reference
 
     def pipeline(self, variant: str):
         """The `FusedPipeline` of a fused variant."""
         import fusedpc
 
-        config, part, _ = self.build(scan=variant_scan(variant))
+        config, part, _ = self.build(
+            scan=variant_scan(variant), rate_multiplier=variant in CALIBRATED_VARIANTS
+        )
         guards: dict[str, Any] = {"nonfinite": self.args.nonfinite}
         if variant == "fused_guards":  # loose bounds: every rule computed, nothing skipped
             guards.update(max_update_ratio=1.0, loss_spike=100.0)

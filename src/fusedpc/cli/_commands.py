@@ -80,11 +80,13 @@ def report_command(args: argparse.Namespace) -> int:
     print(_calibrate.format_table(table, target))
     # the same figures in the unit a run takes (one multiplier per slot), ready to paste
     current: dict[str, float] = {}
+    config = None
     config_path = os.path.join(os.path.dirname(os.path.abspath(path)), "config.toml")
     if os.path.isfile(config_path):
         from fusedpc.training import _config_file
 
-        current = _config_file.resolve_config(config_path).lr_scales()
+        config = _config_file.resolve_config(config_path)
+        current = config.lr_scales()
     slots = _calibrate.calibrate_slots(records, target, args.fraction, current)
     flag = _calibrate.slot_lr_scales_flag(slots)
     if slots:
@@ -95,8 +97,21 @@ def report_command(args: argparse.Namespace) -> int:
         ))
     if flag:
         scaled = " (the run's own --slot-lr-scales included)" if current else ""
-        print(f"\nto apply them{scaled}, train with:\n  --slot-lr-scales {flag}")
+        print(
+            f"\nthese multipliers follow the rule of thumb (every ratio at {target:g}); it is "
+            "not a calibration: in the calibration study it made the validation loss worse "
+            "with Adam (docs/calibration.md). To apply them anyway"
+            f"{scaled}, train with:\n  --slot-lr-scales {flag}"
+        )
         print(f'or in the config file:\n  [optimiser]\n  slot_lr_scales = "{flag}"')
+    print("\nsuggestion (from the calibration study, or this run's own calibration):")
+    if config is None:
+        print("  no config.toml next to the log, so no study cell to compare this run with")
+        return 0
+    from fusedpc.training._evidence import suggest
+
+    for line in suggest(config, records):
+        print(f"  {line}")
     return 0
 
 

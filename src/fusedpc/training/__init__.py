@@ -21,11 +21,13 @@ from fusedpc.training._loop import TrainResult as TrainResult
 from fusedpc.training._loop import train as train
 from fusedpc.training._optimisers import OPTIMISERS as OPTIMISERS
 from fusedpc.training._optimisers import make_optimiser as make_optimiser
+from fusedpc.training._probe import GLOBAL_FACTORS as GLOBAL_FACTORS
 from fusedpc.training._probe import PROBE_FACTORS as PROBE_FACTORS
 from fusedpc.training._probe import ProbeResult as ProbeResult
 from fusedpc.training._probe import ProbeTrial as ProbeTrial
 from fusedpc.training._probe import choose_factors as choose_factors
 from fusedpc.training._probe import probe_rates as probe_rates
+from fusedpc.training._rates import RateMultiplier as RateMultiplier
 from fusedpc.training._rates import RateMultiplierState as RateMultiplierState
 from fusedpc.training._rates import gpt_slot as gpt_slot
 from fusedpc.training._rates import rate_multipliers as rate_multipliers

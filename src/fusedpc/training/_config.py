@@ -169,12 +169,9 @@ class TrainConfig:
     distributed: bool = False
 
     def calibrated_slots(self) -> tuple[str, ...]:
-        """The learning slots whose rate an optax optimiser sets, the ones a calibration
-        can change (`synaptic_uncertainty`'s parts follow their own rule: only `norm`)."""
-        slots = self.gpt_config(vocab_size=1).learning_slots()
-        if self.model.learning_kind == SYNAPTIC:
-            return tuple(s for s in slots if s == "norm")
-        return tuple(slots)
+        """The learning slots a calibration changes the rate of: every learning slot (the
+        `synaptic_uncertainty` kind's own steps are scaled by a multiplier too)."""
+        return tuple(self.gpt_config(vocab_size=1).learning_slots())
 
     def calibration_step(self) -> int:
         """The step of the calibration: `calibrate_at`, or 15 % of `steps` rounded to whole
@@ -270,10 +267,9 @@ class TrainConfig:
             )
         if self.calibrate != "none" and not self.calibrated_slots():
             raise ValueError(
-                f"calibrate={self.calibrate!r}: no slot of this model learns through an "
-                f"optimiser (learn={self.model.learn!r}, learning_kind="
-                f"{self.model.learning_kind!r}), so there is no rate to calibrate; use "
-                "calibrate = \"none\"."
+                f"calibrate={self.calibrate!r}: no slot of this model learns "
+                f"(learn={self.model.learn!r}), so there is no rate to calibrate; use "
+                "calibrate = \"none\", or name the slots that learn."
             )
         if not (self.max_update_ratio >= 0 and math.isfinite(self.max_update_ratio)):
             raise ValueError(

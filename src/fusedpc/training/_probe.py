@@ -8,13 +8,19 @@ Adam; rebalancing the parts alone never helped). `probe_rates(pipeline, xs, ys)`
 1. saves the pipeline's state and counters;
 2. runs the **baseline** trial: the next $P$ batches `xs`, `ys` from the saved state at the
    current multipliers;
-3. for each group $g$ and each factor $f$ in `factors` (0.5 and 2), the same batches with
-   $g$'s multiplier times $f$ and the others as they are: $2|G|$ trials;
-4. keeps for each group the factor with the lowest score (1 included), then runs the
-   **combined** choice once more; if it does not beat the baseline, the single best trial's
-   change is kept instead, and if none beat the baseline, nothing changes;
-5. restores the saved state and counters exactly, and returns the choice with every trial's
+3. **global** trials: every group's multiplier times each of `global_factors` (0.5 and 2)
+   at once; the best of them and the baseline becomes the new base (the study found
+   most of the gain in the global rate);
+4. **per-group** trials: for each group $g$ and each factor $f$ in `factors` (0.5 and 2),
+   the base with $g$'s multiplier times $f$: $2|G|$ trials;
+5. keeps for each group the factor with the lowest score (1 included), then runs the
+   **combined** choice once more; if it does not beat the base, the single best trial's
+   change is kept instead, and if none beat the base, the base stays;
+6. restores the saved state and counters exactly, and returns the choice with every trial's
    score (`ProbeResult`); it does not apply it (`set_rate_multipliers` does).
+
+$1 + |F_{global}| + 2|G| + 1$ trials at most: 16 for a GPT's six slots; one calibration
+changes a rate by x0.25 to x4 at most.
 
 A trial's **score** is the mean loss over the last `score_fraction` of its steps. Each
 step's loss is measured on its batch before that batch updates the weights, so the score is
@@ -37,10 +43,20 @@ import numpy as np
 
 from fusedpc.training._rates import gpt_slot, rate_multipliers, set_rate_multipliers
 
-__all__ = ["PROBE_FACTORS", "ProbeResult", "ProbeTrial", "choose_factors", "probe_rates"]
+__all__ = [
+    "GLOBAL_FACTORS",
+    "PROBE_FACTORS",
+    "ProbeResult",
+    "ProbeTrial",
+    "choose_factors",
+    "probe_rates",
+]
 
 PROBE_FACTORS = (0.5, 2.0)
 """The factors each group's rate is tried at, besides 1."""
+
+GLOBAL_FACTORS = (0.5, 2.0)
+"""The factors every group's rate is tried at together first, besides 1."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +147,7 @@ def probe_rates(
     *,
     groups: Sequence[str] | None = None,
     factors: Sequence[float] = PROBE_FACTORS,
+    global_factors: Sequence[float] = GLOBAL_FACTORS,
     per_call: int | None = None,
     score_fraction: float = 0.5,
     group: Callable[[str], str | None] = gpt_slot,
@@ -145,6 +162,9 @@ def probe_rates(
             next (every trial runs all P).
         groups: the groups to probe, in order; every group with a multiplier by default.
         factors: the factors tried per group, besides 1.
+        global_factors: the factors tried for every group at once first, besides 1; `()`
+            skips this stage (with a single group it is skipped: the per-group trials are
+            the same).
         per_call: steps per compiled `run` call (use the run's own `steps_per_call` so that
             the trials reuse its program); all P in one call by default.
         score_fraction: the share of each trial's last steps whose mean loss is its score.
@@ -166,10 +186,13 @@ def probe_rates(
         raise ValueError(
             f"groups: {unknown} carry no rate multiplier; the state has {list(before)}."
         )
-    if not factors or any(not (f > 0 and math.isfinite(f)) or f == 1.0 for f in factors):
-        raise ValueError(
-            f"factors: expected positive numbers other than 1, got {list(factors)!r}."
-        )
+    for name, values in (("factors", factors), ("global_factors", global_factors)):
+        if any(not (f > 0 and math.isfinite(f)) or f == 1.0 for f in values) or (
+            name == "factors" and not values
+        ):
+            raise ValueError(
+                f"{name}: expected positive numbers other than 1, got {list(values)!r}."
+            )
     if not 0.0 < score_fraction <= 1.0:
         raise ValueError(f"score_fraction: expected a number in (0, 1], got {score_fraction!r}.")
     steps = int(np.shape(xs)[0])
@@ -205,24 +228,32 @@ def probe_rates(
 
     try:
         baseline = trial(before, "baseline")
+        base, base_score = dict(before), baseline
+        if len(groups) > 1 and global_factors:
+            overall = {
+                f: trial({**before, **{g: before[g] * f for g in groups}}, f"all x{f:g}")
+                for f in global_factors
+            }
+            f_all = choose_factors(baseline, {"all": overall}).get("all", 1.0)
+            if f_all != 1.0:
+                base = {**before, **{g: before[g] * f_all for g in groups}}
+                base_score = overall[f_all]
         scores: dict[str, dict[float, float]] = {}
         for g in groups:
-            scores[g] = {
-                f: trial({**before, g: before[g] * f}, f"{g} x{f:g}") for f in factors
-            }
-        chosen = choose_factors(baseline, scores)
-        multipliers, score = dict(before), baseline
+            scores[g] = {f: trial({**base, g: base[g] * f}, f"{g} x{f:g}") for f in factors}
+        chosen = choose_factors(base_score, scores)
+        multipliers, score = base, base_score
         if len(chosen) == 1:
             (g, f), = chosen.items()
-            multipliers, score = {**before, g: before[g] * f}, scores[g][f]
+            multipliers, score = {**base, g: base[g] * f}, scores[g][f]
         elif chosen:
-            combined = {**before, **{g: before[g] * f for g, f in chosen.items()}}
+            combined = {**base, **{g: base[g] * f for g, f in chosen.items()}}
             combined_score = trial(combined, "combined")
-            if combined_score < baseline:
+            if combined_score < base_score:
                 multipliers, score = combined, combined_score
             else:  # the choices do not add up: keep the best single change
                 g, f = min(chosen.items(), key=lambda item: scores[item[0]][item[1]])
-                multipliers, score = {**before, g: before[g] * f}, scores[g][f]
+                multipliers, score = {**base, g: base[g] * f}, scores[g][f]
     finally:
         pipeline.set_state(saved, counters=counters)
     return ProbeResult(before, multipliers, baseline, score, tuple(trials), ran[0])

@@ -18,14 +18,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fusedpc.parts.learning._local_update import (
+    RateMultiplier,
+    RateMultiplierState,
+    scale_by_rate_multiplier,
+)
+
 __all__ = [
+    "RateMultiplier",
     "RateMultiplierState",
     "gpt_slot",
     "rate_multipliers",
@@ -33,32 +40,6 @@ __all__ = [
     "set_rate_multipliers",
     "with_rate_multiplier",
 ]
-
-
-class RateMultiplierState(NamedTuple):
-    """The state of `scale_by_rate_multiplier`: `multiplier`, a float32 scalar (stacked to
-    `(N,)` under a `Repeat` of N blocks)."""
-
-    multiplier: jax.Array
-
-
-def scale_by_rate_multiplier(initial: float = 1.0) -> optax.GradientTransformation:
-    """Multiply every update by the multiplier in the state ($u \\leftarrow m u$), which
-    starts at `initial` and changes only when you set it (`set_rate_multipliers`)."""
-    if not (initial > 0 and math.isfinite(initial)):
-        raise ValueError(f"initial: expected a positive number, got {initial!r}.")
-
-    def init(params):
-        del params
-        return RateMultiplierState(jnp.asarray(initial, jnp.float32))
-
-    def update(updates, state, params=None):
-        del params
-        m = state.multiplier
-        scaled = jax.tree_util.tree_map(lambda u: (u * m.astype(u.dtype)), updates)
-        return scaled, state
-
-    return optax.GradientTransformation(init, update)
 
 
 def with_rate_multiplier(optimiser: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -16,7 +16,7 @@ from fusedpc.training import data
 from fusedpc.training._config import TrainConfig
 from fusedpc.training._config_file import CHECKPOINT_NAME, resume_config
 from fusedpc.training._optimisers import learning_rate_schedule, make_optimiser
-from fusedpc.training._rates import with_rate_multiplier
+from fusedpc.training._rates import scale_by_rate_multiplier, with_rate_multiplier
 from fusedpc.transformer._build import build_gpt
 
 
@@ -148,9 +148,14 @@ def parameter_count(config: TrainConfig, vocab_size: int) -> int:
 def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
     """The `FusedPipeline` of a run: `build_gpt` at `jax.random.key(config.seed)`."""
     gpt = config.gpt_config(vocab_size)
-    slot_optimisers = {
+    slot_optimisers: dict[str, Any] = {
         slot: config_optimiser(config, scale) for slot, scale in config.lr_scales().items()
     }
+    if config.calibrate != "none" and gpt.learning_kind == "synaptic_uncertainty":
+        # the synaptic rule's own steps, scaled by a multiplier (the LayerNorms: optax)
+        for slot in config.calibrated_slots():
+            if slot != "norm":
+                slot_optimisers[slot] = scale_by_rate_multiplier()
     part, _ = build_gpt(
         gpt, config_optimiser(config), jax.random.key(config.seed), slot_optimisers=slot_optimisers
     )

@@ -24,6 +24,7 @@ from fusedpc.parts import frozen, transplant
 from fusedpc.parts._attention import MIXINGS, MultiHeadAttention
 from fusedpc.parts._compose import Sequential
 from fusedpc.parts._repeat import Repeat
+from fusedpc.parts.learning._local_update import RateMultiplier
 from fusedpc.transformer._gpt import Blocks, GPTPart, TransformerBlock
 from fusedpc.transformer.reference import GPT
 
@@ -135,8 +136,10 @@ def _learning_slots(
     synaptic = learning_kind == "synaptic_uncertainty"
 
     def learning_for(slot: str) -> dict[str, Any]:
+        # the synaptic kind is its own rule; a rate multiplier alone scales its steps
+        keep = not synaptic or isinstance(learn[slot], RateMultiplier)
         return {
-            "optimiser": None if synaptic else learn[slot],
+            "optimiser": learn[slot] if keep else None,
             "learning_kind": learning_kind,
             "learning_kwargs": learning_kwargs,
         }

@@ -44,6 +44,7 @@ from fusedpc.parts.learning._local_update import (
     SynapticSettings,
     optax_step,
     resolve_learning,
+    scaled_synaptic_step,
     synaptic_step,
 )
 
@@ -154,6 +155,9 @@ class LearningEmbedding(AbstractPart):
                 extra = cast(jax.Array, state.weight_precision)  # kept by the synaptic kind
                 table, weight_precision = synaptic_step(
                     synaptic, table, gradient, extra, increment
+                )
+                table, opt_state = scaled_synaptic_step(
+                    self.optimiser, state.table, table, opt_state
                 )
             elif self.optimiser is not None:
                 table, opt_state = optax_step(self.optimiser, table, gradient, opt_state)

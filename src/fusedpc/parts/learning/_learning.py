@@ -45,6 +45,7 @@ from fusedpc.parts.learning._local_update import (
     SynapticSettings,
     optax_step,
     resolve_learning,
+    scaled_synaptic_step,
     synaptic_step,
 )
 from fusedpc.parts.learning._network import PCNetwork
@@ -301,6 +302,9 @@ class LearningNetwork(AbstractPart):
                 weight_precision = NetworkParams(
                     tuple(p[1] for p in pairs_w),
                     tuple(None if p is None else p[1] for p in pairs_b),
+                )
+                params, opt_state = scaled_synaptic_step(
+                    self.optimiser, state.params, params, opt_state
                 )
             elif self.optimiser is not None:
                 params, opt_state = optax_step(self.optimiser, params, gradients, opt_state)

@@ -7,6 +7,7 @@ embedding and any future learning part accept exactly the same keywords.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -23,6 +24,54 @@ SYNAPTIC_DEFAULTS = {
     "learning_rate": 1.0,
     "increment_scale": 1.0,
 }
+
+
+class RateMultiplierState(NamedTuple):
+    """The state of `scale_by_rate_multiplier`: `multiplier`, a float32 scalar (stacked to
+    `(N,)` under a `Repeat` of N blocks)."""
+
+    multiplier: jax.Array
+
+
+class RateMultiplier(optax.GradientTransformation):
+    """What `scale_by_rate_multiplier` returns: an optax transformation, marked so that the
+    `synaptic_uncertainty` kind (which takes no optimiser) accepts it to scale its own
+    updates."""
+
+    __slots__ = ()
+
+
+def scale_by_rate_multiplier(initial: float = 1.0) -> RateMultiplier:
+    """Multiply every update by the multiplier in the state ($u \\leftarrow m u$), which
+    starts at `initial` and changes only when it is set from outside the step
+    (`fusedpc.training.set_rate_multipliers`). Chained after an optimiser it is the
+    optimiser at rate $m\\eta$; given alone to a `synaptic_uncertainty` part it scales that
+    rule's weight step, $\\theta \\leftarrow \\theta + m(\\theta' - \\theta)$."""
+    if not (initial > 0 and math.isfinite(initial)):
+        raise ValueError(f"initial: expected a positive number, got {initial!r}.")
+
+    def init(params):
+        del params
+        return RateMultiplierState(jnp.asarray(initial, jnp.float32))
+
+    def update(updates, state, params=None):
+        del params
+        m = state.multiplier
+        scaled = jax.tree_util.tree_map(lambda u: u * m.astype(u.dtype), updates)
+        return scaled, state
+
+    return RateMultiplier(init, update)
+
+
+def scaled_synaptic_step(optimiser: Any, old: Any, new: Any, opt_state: Any) -> tuple[Any, Any]:
+    """The synaptic rule's new weights `new` (from `old`) with a rate multiplier applied,
+    $\\theta \\leftarrow \\theta + m(\\theta' - \\theta)$, or `new` itself without one
+    (`optimiser` None). At $m = 1$ this is `new` up to float32 rounding."""
+    if optimiser is None:
+        return new, opt_state
+    delta = jax.tree_util.tree_map(lambda n, o: n - o, new, old)
+    updates, opt_state = optimiser.update(delta, opt_state, old)
+    return optax.apply_updates(old, updates), opt_state
 
 
 class SynapticSettings(NamedTuple):
@@ -61,10 +110,11 @@ def resolve_learning(
                 f"got {sorted(learning_kwargs)} with learning_kind={learning_kind!r}."
             )
         return None
-    if optimiser is not None:
+    if optimiser is not None and not isinstance(optimiser, RateMultiplier):
         raise ValueError(
             f"{owner}: learning_kind='synaptic_uncertainty' is its own update rule and takes no "
-            "optimiser; pass optimiser=None and set learning_kwargs['learning_rate'] instead."
+            "optimiser; pass optimiser=None and set learning_kwargs['learning_rate'] instead "
+            "(or fusedpc.training.scale_by_rate_multiplier(), which scales its steps)."
         )
     kwargs = dict(learning_kwargs or {})
     unknown = sorted(set(kwargs) - set(SYNAPTIC_DEFAULTS))

@@ -1,0 +1,159 @@
+"""What `fusedpc report` suggests about a run's rates, and the evidence it rests on.
+
+The evidence is the calibration study's summary (scripts/calibration_study.py `--evidence`),
+bundled with the package as `calibration_evidence.json`: per cell (text, learning kind,
+`learn` preset, optimiser) and method, the mean validation loss at the study's budget and
+its standard deviation over seeds, with the backprop twin's. `suggest(config, records)`
+finds the study cell that matches a run, and says which change is expected to help (the
+method that beat no calibration by more than the seed spread there, and by how much), or
+plainly that none is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from fusedpc.training._config import TrainConfig
+
+__all__ = ["CellEvidence", "cell_evidence", "load_evidence", "suggest"]
+
+EVIDENCE_NAME = "calibration_evidence.json"
+SUGGESTED_METHOD = "probe"
+"""The method `--calibrate auto` runs, and the one `fusedpc report` suggests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CellEvidence:
+    """One study cell: `none` and `method`'s mean and spread (seed standard deviation),
+    the twin's mean where the cell has one, and the cell's name."""
+
+    cell: str
+    method: str
+    none_mean: float
+    none_std: float
+    mean: float
+    std: float
+    seeds: int
+    twin_mean: float | None
+
+    @property
+    def gain(self) -> float:
+        """How much lower the method's mean validation loss is than `none`'s."""
+        return self.none_mean - self.mean
+
+    @property
+    def spread(self) -> float:
+        """The larger of the two seed standard deviations."""
+        return max(self.none_std, self.std)
+
+    @property
+    def helps(self) -> bool:
+        """Whether the method beat `none` by more than the seed spread."""
+        return self.gain > self.spread
+
+
+@cache
+def load_evidence() -> dict[str, Any]:
+    """The bundled study summary: `{"study": settings, "cells": [summary lines]}`."""
+    text = resources.files("fusedpc.training").joinpath(EVIDENCE_NAME).read_text("utf-8")
+    return json.loads(text)
+
+
+def _preset(config: TrainConfig) -> str | None:
+    """The study's `learn` preset a run's learning slots are, or None."""
+    slots = set(config.gpt_config(vocab_size=1).learning_slots())
+    presets = {"all": {"token", "position", "attention", "feed_forward", "norm", "head"},
+               "ff_head": {"feed_forward", "head"}}
+    return next((name for name, s in presets.items() if s == slots), None)
+
+
+def cell_evidence(
+    config: TrainConfig, method: str = SUGGESTED_METHOD, evidence: dict | None = None
+) -> tuple[CellEvidence | None, str]:
+    """The study cell of the bundled text that matches `config` (learning kind, `learn`
+    preset, optimiser; `adamw` reads as `adam`), and a note on how well it matches."""
+    evidence = load_evidence() if evidence is None else evidence
+    cells = evidence["cells"]
+    texts = evidence["study"]["texts"]
+    optimiser = "adam" if config.optimiser == "adamw" else config.optimiser
+    preset = _preset(config)
+    note = ""
+    if preset is None:
+        preset = "all"
+        note = (f"no study cell learns exactly the slots of learn={config.model.learn!r}; "
+                "the nearest is learn='all'")
+    kind = config.model.learning_kind
+
+    def find(m: str, k: str = kind, p: str = preset, o: str = optimiser):
+        for c in cells:
+            if (c["text"], c["learning_kind"], c["learn"], c["method"]) == (texts[0], k, p, m) \
+                    and c["optimiser"] in (o, "own_rule"):
+                return c
+        return None
+
+    none, chosen = find("none"), find(method)
+    if none is None or chosen is None:
+        return None, f"the study has no cell {kind}/{preset}/{optimiser}"
+    twin = find("backprop_twin", "backprop", "all")
+    cell = f"{texts[0]} / {kind} / learn={preset} / {chosen['optimiser']}"
+    return CellEvidence(
+        cell=cell, method=method, none_mean=none["val_loss_mean"],
+        none_std=none["val_loss_std"], mean=chosen["val_loss_mean"],
+        std=chosen["val_loss_std"], seeds=chosen["seeds"],
+        twin_mean=None if twin is None else twin["val_loss_mean"],
+    ), note
+
+
+def suggest(config: TrainConfig, records: list[dict[str, Any]]) -> list[str]:
+    """The lines `fusedpc report` prints under "suggestion" for a run with `config` and
+    log `records`."""
+    lines: list[str] = []
+    calibrations = [r for r in records if r.get("kind") == "calibration"]
+    if calibrations:
+        last = calibrations[-1]
+        changed = last.get("changed") or {}
+        lines.append(
+            f"this run calibrated its rates by probes at step {last['step']} "
+            f"({last['probe_steps']} trial steps): trial loss {last['baseline']:.4f} -> "
+            f"{last['score']:.4f}"
+        )
+        if changed:
+            lines.append("  multipliers chosen: " + ", ".join(
+                f"{slot} x{m:g}" for slot, m in last["multipliers"].items()))
+            flag = ",".join(f"{slot}={m:g}" for slot, m in last["multipliers"].items())
+            lines.append("to start a new run at these rates from step 0 instead (no probes; "
+                         "not the same as changing them at that step):")
+            lines.append(f"  --slot-lr-scales {flag}")
+            lines.append(f'  or in the config file: [optimiser] slot_lr_scales = "{flag}"')
+        else:
+            lines.append("  no change lowered the trial loss: the rates stayed as set")
+        return lines
+    evidence, note = cell_evidence(config)
+    study = load_evidence()["study"]
+    budget = f"{study['steps']} steps, {len(study['seeds'])} seeds"
+    if evidence is None:
+        lines.append(f"no suggestion: {note}.")
+        return lines
+    if note:
+        lines.append(f"({note})")
+    spread = f"seed spread {evidence.spread:.3f}"
+    if evidence.helps:
+        lines.append(
+            f"expected to help: --calibrate auto (probes of every slot's rate, then x0.5 / x2 "
+            f"per slot). In the study cell {evidence.cell} ({budget}) it lowered the "
+            f"validation loss from {evidence.none_mean:.3f} to {evidence.mean:.3f} "
+            f"(by {evidence.gain:.3f}; {spread})."
+        )
+        lines.append("  train with: --calibrate auto")
+        lines.append('  or in the config file: [optimiser] calibrate = "auto"')
+    else:
+        lines.append(
+            f"no change is expected to help: in the study cell {evidence.cell} ({budget}) "
+            f"--calibrate auto reached {evidence.mean:.3f} against {evidence.none_mean:.3f} "
+            f"without it ({spread}), within the seed spread. Keep the rates as they are."
+        )
+    return lines
