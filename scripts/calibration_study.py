@@ -67,7 +67,8 @@ class WarmUp:
     """What a method may read: the report rows of the warm-up (each with its `step`), and
     `probe(groups, group)`, which runs `fusedpc.training.probe_rates` from the warmed-up
     state on the `probe_steps` training batches that come next (those the continuation then
-    trains on; no validation data) and returns its `ProbeResult`."""
+    trains on), each trial scored on the probe split (not the validation split the study
+    scores on), and returns its `ProbeResult`."""
 
     rows: list[dict[str, Any]]
     probe: Callable[..., Any]
@@ -106,10 +107,10 @@ def method_rebalance(
 
 def method_probe(warm_up: WarmUp, base_lr: float, slots: tuple[str, ...]) -> dict[str, float]:
     """`fusedpc.training.probe_rates` (what `fusedpc train --calibrate probe` runs): per
-    slot, trials with its rate x0.5 and x2 from the warmed-up state, each scored by the mean
-    loss of its last half (every batch's loss before it trains on it); each slot keeps its
-    best factor (1 included), the combined choice is tried once more and kept only if it
-    beats the baseline (else the best single change). $2|S| + 2$ trials at most."""
+    slot, trials with its rate x0.5 and x2 from the warmed-up state (after trials of every
+    slot at x0.5 and x2 together), each scored on the probe split, a change kept only when
+    it is lower beyond twice the standard error of the batch-by-batch differences; the
+    combined choice is tried once more. $2|S| + 4$ trials at most."""
     result = warm_up.probe(slots)
     return {s: m for s, m in result.multipliers.items() if m != 1.0}
 
@@ -195,6 +196,12 @@ def held_out_loss(logits_fn, xs: np.ndarray, ys: np.ndarray) -> float:
     n, b, t = xs.shape
     logits = logits_fn(jnp.asarray(xs.reshape(n * b, t)))
     return float(reference.cross_entropy(logits, jnp.asarray(ys.reshape(n * b, t))))
+
+
+def batch_held_out_losses(logits_fn, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """The next-token cross-entropy of each batch of `xs`, `ys` `(N, B, T)`: `(N,)`."""
+    return np.asarray([float(reference.cross_entropy(logits_fn(jnp.asarray(x)), jnp.asarray(y)))
+                       for x, y in zip(xs, ys, strict=True)])
 
 
 @dataclasses.dataclass
@@ -304,7 +311,8 @@ class Cell:
         def probe(groups: tuple[str, ...], group=gpt_slot):
             self.pipeline.set_state(with_rates(warm, self.lr, {}), steps=study.warmup)
             result = probe_rates(self.pipeline, probe_xs, probe_ys, groups=groups,
-                                 per_call=study.per_call, group=group)
+                                 per_call=study.per_call, group=group,
+                                 score=lambda p: batch_held_out_losses(p.predict, *text.probe))
             probes[0] += result.steps
             return result
 
@@ -402,8 +410,8 @@ def targets(summary: list[dict]) -> list[dict]:
       spread, and `helped`: those of them where the method is below `none` by more than the
       spread (the target: at least half);
     * `gap_closed`: per `standard` and `synaptic_uncertainty` cell of preset `all`, the share
-      of `none`'s gap to the twin that the method closes, $(\bar l_{none} - \bar l_m) /
-      (\bar l_{none} - \bar l_{twin})$ (the target: >= 0.5), where there is a gap."""
+      of `none`'s gap to the twin that the method closes, $(\\bar l_{none} - \\bar l_m) /
+      (\\bar l_{none} - \\bar l_{twin})$ (the target: >= 0.5), where there is a gap."""
     by_key = {(s["text"], s["learning_kind"], s["learn"], s["optimiser"], s["method"]): s
               for s in summary}
     methods = sorted({s["method"] for s in summary} - {"none", "backprop_twin"})

@@ -180,6 +180,9 @@ def test_calibrate_probe_logs_the_rates_and_resumes_bit_for_bit(train_cli, tmp_p
     assert [(r["step"], r["loss"]) for r in _records(split, "train")] == [
         (r["step"], r["loss"]) for r in _records(whole, "train")
     ]
+    capsys.readouterr()
+    assert main(["report", str(whole), "--out", str(tmp_path / "plots")]) == 0
+    assert "  this run calibrated its rates by probes at step 10 (" in capsys.readouterr().out
     a, _, config, _ = _setup.load_run(whole)
     b, _, _, _ = _setup.load_run(split)
     assert config.calibrate_at == 10
@@ -242,6 +245,13 @@ def test_report_prints_the_calibration_table(tiny_run, tmp_path, capsys):
     assert "median ratio" in out and "rate x" in out
     head_line = next(line for line in out.splitlines() if line.startswith("head "))
     assert "than target" in head_line or "keep this part's rate" in head_line
+    assert "these multipliers follow the rule of thumb" in out  # labelled as what it is
+    # the suggestion: the study cell of the tiny run's settings (precision_weighted, all, adam)
+    suggestion = out.split("suggestion (from the calibration study, or this run's own "
+                           "calibration):\n", 1)[1]
+    assert "study cell hamlet / precision_weighted / learn=all / adam" in suggestion
+    assert suggestion.startswith(("  expected to help: --calibrate auto",
+                                  "  no change is expected to help"))
     for name in ("loss.png", "update_norm.png", "update_ratio.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE
 

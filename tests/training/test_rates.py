@@ -132,6 +132,21 @@ def test_choose_factors_keeps_the_lowest_score_and_never_a_non_finite_one():
     assert choose_factors(1.0, {"head": {0.5: 1.0, 2.0: 1.0}}) == {}
 
 
+def test_a_change_counts_only_when_lower_beyond_the_step_by_step_noise():
+    from fusedpc.training._probe import lower_by_more_than_noise
+
+    rng = np.random.default_rng(0)
+    reference = 2.0 + rng.normal(0, 0.3, 40)  # the batches' own noise, shared by both
+    steady = reference - 0.01 + rng.normal(0, 0.002, 40)  # lower on every step
+    noisy = reference - 0.01 + rng.normal(0, 0.2, 40)  # lower on average, within its noise
+    assert lower_by_more_than_noise(steady, reference, 2.0)
+    assert not lower_by_more_than_noise(noisy, reference, 2.0)
+    assert lower_by_more_than_noise(noisy, reference, 0.0) == bool(noisy.mean() < reference.mean())
+    assert not lower_by_more_than_noise(reference + 0.01, reference, 0.0)
+    assert not lower_by_more_than_noise(None, reference, 2.0)  # a failed trial never wins
+    assert lower_by_more_than_noise(reference, None, 2.0)  # against a failed one, anything
+
+
 def test_probes_leave_the_pipeline_exactly_as_they_found_it():
     xs, ys = _batches(12)
     pipeline = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
@@ -156,6 +171,28 @@ def test_probes_leave_the_pipeline_exactly_as_they_found_it():
         probe_rates(pipeline, xs, ys, groups=("heads",))
     with pytest.raises(ValueError, match="factors: expected positive numbers other than 1"):
         probe_rates(pipeline, xs, ys, factors=(1.0, 2.0))
+
+
+def test_trials_are_scored_on_held_out_batches_when_given():
+    xs, ys = _batches(8)
+    held_x, held_y = _batches(3, seed=5)
+    pipeline = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
+
+    def held_out(p):
+        return [float(p.error_fn.loss(p.predict(x), y)) for x, y in zip(held_x, held_y)]
+
+    result = probe_rates(pipeline, xs, ys, groups=("head", "attention"), per_call=4,
+                         score=held_out)
+    # the baseline's score: the held-out loss after 8 steps at the current rates
+    again = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
+    again.run(xs[:4], ys[:4], keep_outputs=False)
+    again.run(xs[4:], ys[4:], keep_outputs=False)
+    assert result.baseline == pytest.approx(float(np.mean(held_out(again))), rel=1e-6)
+    assert all(math.isfinite(t.score) for t in result.trials)
+    broken = probe_rates(pipeline, xs, ys, groups=("head", "attention"), per_call=4,
+                         score=lambda p: [math.nan])
+    assert all(t.score == math.inf for t in broken.trials)  # a NaN score never wins
+    assert broken.changed == {}
 
 
 def test_probing_brings_a_mis_scaled_part_down_and_ends_with_a_lower_loss():
@@ -186,3 +223,124 @@ def test_probing_brings_a_mis_scaled_part_down_and_ends_with_a_lower_loss():
     _, uncalibrated = run(False)
     assert head < 1.0  # lowered at least once of three rounds (each x0.5 at most)
     assert calibrated < uncalibrated
+
+
+# ------------------------------------------------------------------ synaptic_uncertainty
+def _synaptic_pipeline(optimiser):
+    config = fusedpc.GPTConfig(vocab_size=32, width=16, n_heads=2, n_blocks=1, ff_width=32,
+                               max_len=16, learn="ff_head", learning_kind="synaptic_uncertainty",
+                               learning_kwargs={"window": 20})
+    part, _ = fusedpc.build_gpt(config, optimiser, jax.random.key(0))
+    return fusedpc.FusedPipeline(part, config.error_fn, key=jax.random.key(0))
+
+
+def _learning_states(pipeline):
+    states = jax.tree_util.tree_leaves(
+        pipeline.state, is_leaf=lambda n: isinstance(n, fusedpc.LearningNetworkState))
+    return [n for n in states if isinstance(n, fusedpc.LearningNetworkState)]
+
+
+def test_a_bare_multiplier_scales_the_synaptic_rules_own_steps():
+    from fusedpc.training import scale_by_rate_multiplier
+
+    xs, ys = _batches(1)
+    start = _synaptic_pipeline(None)
+    plain = _synaptic_pipeline(None)
+    scaled = _synaptic_pipeline(scale_by_rate_multiplier())
+    assert set(rate_multipliers(scaled.state)) == {"feed_forward", "head"}
+    scaled.set_state(set_rate_multipliers(scaled.state, {"feed_forward": 0.5, "head": 0.5}))
+    plain.step(xs[0], ys[0])
+    scaled.step(xs[0], ys[0])
+    triples = list(zip(_learning_states(start), _learning_states(plain),
+                       _learning_states(scaled), strict=True))
+    assert len(triples) == 2  # the feed-forward and the head
+    for old, new, half in triples:
+        for o, n, h in zip(jax.tree_util.tree_leaves(old.params),
+                           jax.tree_util.tree_leaves(new.params),
+                           jax.tree_util.tree_leaves(half.params), strict=True):
+            step = np.asarray(n, np.float64) - np.asarray(o, np.float64)
+            assert np.abs(step).max() > 0
+            # half the plain rule's step; atol: theta + m (theta' - theta) rounds in float32
+            np.testing.assert_allclose(np.asarray(h, np.float64) - np.asarray(o, np.float64),
+                                       0.5 * step, rtol=1e-3, atol=1e-7)
+        # the per-weight precisions follow the rule itself, unscaled
+        for n, h in zip(jax.tree_util.tree_leaves(new.weight_precision),
+                        jax.tree_util.tree_leaves(half.weight_precision), strict=True):
+            np.testing.assert_array_equal(np.asarray(n), np.asarray(h))
+    # the part itself takes a bare multiplier and nothing else (build_gpt gives the
+    # synaptic parts none of the optimiser it is given: it is the LayerNorms')
+    network = fusedpc.PCNetwork([3, 2], ())
+    fusedpc.LearningNetwork(network, scale_by_rate_multiplier(), "synaptic_uncertainty",
+                            {"window": 4})
+    with pytest.raises(ValueError, match="takes no optimiser; pass optimiser=None .*"
+                                         "scale_by_rate_multiplier"):
+        fusedpc.LearningNetwork(network, with_rate_multiplier(optax.sgd(0.1)),
+                                "synaptic_uncertainty", {"window": 4})
+
+
+# ------------------------------------------------------------------ fusedpc report's suggestion
+def _evidence(probe_mean: float, probe_std: float = 0.01) -> dict:
+    def line(method, mean, std, kind="standard", learn="all", optimiser="adam"):
+        return {"text": "hamlet", "learning_kind": kind, "learn": learn,
+                "optimiser": optimiser, "method": method, "seeds": 3,
+                "val_loss_mean": mean, "val_loss_std": std}
+
+    return {
+        "study": {"steps": 1200, "seeds": [0, 1, 2], "texts": ["hamlet"]},
+        "cells": [line("none", 2.20, 0.01), line("probe", probe_mean, probe_std),
+                  line("backprop_twin", 2.15, 0.01, "backprop")],
+    }
+
+
+def test_the_suggestion_cites_its_study_cell_or_says_no_change_helps():
+    from fusedpc.training import TrainConfig
+    from fusedpc.training._evidence import cell_evidence, suggest
+
+    config = TrainConfig(model=fusedpc.GPTConfig(learning_kind="standard"))
+    found, note = cell_evidence(config, evidence=_evidence(2.10))
+    assert note == "" and found is not None
+    assert found.cell == "hamlet / standard / learn=all / adam" and found.twin_mean == 2.15
+    assert found.gain == pytest.approx(0.10) and found.helps
+    (first, *paste) = suggest(config, [], _evidence(2.10))
+    assert first.startswith("expected to help: --calibrate auto") and "2.200 to 2.100" in first
+    assert "(by 0.100; seed spread 0.010)" in first and "1200 steps, 3 seeds" in first
+    assert paste == ["  train with: --calibrate auto",
+                     '  or in the config file: [optimiser] calibrate = "auto"']
+    # within the spread: said plainly
+    (only,) = suggest(config, [], _evidence(2.195, 0.02))
+    assert only.startswith("no change is expected to help") and "Keep the rates" in only
+    # no such cell
+    other = TrainConfig(optimiser="sgd", model=fusedpc.GPTConfig(learning_kind="standard"))
+    assert suggest(other, [], _evidence(2.1)) == [
+        "no suggestion: the study has no cell standard/all/sgd."]
+    # a custom set of slots is compared with the nearest preset, and says so
+    custom = TrainConfig(model=fusedpc.GPTConfig(learning_kind="standard", learn="head,norm"))
+    assert suggest(custom, [], _evidence(2.1))[0].startswith(
+        "(no study cell learns exactly the slots of learn='head,norm'")
+    # a run that calibrated itself: its own choice, and the flag to start there
+    record = {"kind": "calibration", "step": 150, "probe_steps": 800, "baseline": 2.5,
+              "score": 2.4, "changed": {"head": 0.5}, "multipliers": {"head": 0.5, "norm": 1.0}}
+    lines = suggest(config, [record], _evidence(2.1))
+    assert lines[0] == ("this run calibrated its rates by probes at step 150 (800 trial "
+                        "steps): trial loss 2.5000 -> 2.4000")
+    assert "  --slot-lr-scales head=0.5,norm=1" in lines
+
+
+def test_the_bundled_evidence_has_every_cell_the_report_looks_up():
+    from fusedpc.training._evidence import load_evidence
+
+    evidence = load_evidence()
+    methods = {(c["learning_kind"], c["learn"], c["method"]) for c in evidence["cells"]}
+    for kind in ("precision_weighted", "standard", "synaptic_uncertainty"):
+        assert (kind, "all", "none") in methods and (kind, "all", "probe") in methods
+    assert ("backprop", "all", "backprop_twin") in methods
+
+
+def test_the_suggestion_warns_where_the_study_found_the_calibration_worse():
+    from fusedpc.training import TrainConfig
+    from fusedpc.training._evidence import suggest
+
+    config = TrainConfig(model=fusedpc.GPTConfig(learning_kind="standard"))
+    (only,) = suggest(config, [], _evidence(2.30))  # 0.10 worse, spread 0.01
+    assert only.startswith("no change is expected to help, and --calibrate auto is expected "
+                           "to hurt") and "2.300 against 2.200" in only

@@ -148,7 +148,7 @@ class TrainConfig:
     slot_lr_scales: str = ""
     calibrate: str = "none"
     calibrate_at: int = 0
-    probe_steps: int = 50
+    probe_steps: int = 100
     # [training]
     steps: int = 1000
     batch: int = 16

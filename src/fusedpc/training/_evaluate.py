@@ -40,8 +40,14 @@ def host_array(x) -> np.ndarray:
 
 def evaluate(pipeline, inputs: np.ndarray, targets: np.ndarray, probabilities: bool) -> float:
     """Mean validation cross-entropy over the batches `inputs`/`targets` `(N, B, T)`."""
-    losses = [
+    return float(np.mean(batch_losses(pipeline, inputs, targets, probabilities)))
+
+
+def batch_losses(
+    pipeline, inputs: np.ndarray, targets: np.ndarray, probabilities: bool
+) -> np.ndarray:
+    """The cross-entropy of each batch of `inputs`/`targets` `(N, B, T)`: `(N,)`."""
+    return np.asarray([
         cross_entropy(host_array(pipeline.predict(x)), y, probabilities)
         for x, y in zip(inputs, targets, strict=True)
-    ]
-    return float(np.mean(losses))
+    ])

@@ -55,6 +55,11 @@ class CellEvidence:
         """Whether the method beat `none` by more than the seed spread."""
         return self.gain > self.spread
 
+    @property
+    def hurts(self) -> bool:
+        """Whether the method was worse than `none` by more than the seed spread."""
+        return -self.gain > self.spread
+
 
 @cache
 def load_evidence() -> dict[str, Any]:
@@ -108,9 +113,11 @@ def cell_evidence(
     ), note
 
 
-def suggest(config: TrainConfig, records: list[dict[str, Any]]) -> list[str]:
+def suggest(
+    config: TrainConfig, records: list[dict[str, Any]], evidence: dict | None = None
+) -> list[str]:
     """The lines `fusedpc report` prints under "suggestion" for a run with `config` and
-    log `records`."""
+    log `records` (`evidence`: the bundled study's by default)."""
     lines: list[str] = []
     calibrations = [r for r in records if r.get("kind") == "calibration"]
     if calibrations:
@@ -121,7 +128,12 @@ def suggest(config: TrainConfig, records: list[dict[str, Any]]) -> list[str]:
             f"({last['probe_steps']} trial steps): trial loss {last['baseline']:.4f} -> "
             f"{last['score']:.4f}"
         )
-        if changed:
+        if changed and config.model.learning_kind == "synaptic_uncertainty":
+            lines.append("  multipliers chosen: " + ", ".join(
+                f"{slot} x{m:g}" for slot, m in last["multipliers"].items()))
+            lines.append("(synaptic_uncertainty: --slot-lr-scales sets the LayerNorms' optimiser "
+                         "only; the rule's own steps are scaled by --calibrate alone)")
+        elif changed:
             lines.append("  multipliers chosen: " + ", ".join(
                 f"{slot} x{m:g}" for slot, m in last["multipliers"].items()))
             flag = ",".join(f"{slot}={m:g}" for slot, m in last["multipliers"].items())
@@ -132,28 +144,35 @@ def suggest(config: TrainConfig, records: list[dict[str, Any]]) -> list[str]:
         else:
             lines.append("  no change lowered the trial loss: the rates stayed as set")
         return lines
-    evidence, note = cell_evidence(config)
-    study = load_evidence()["study"]
+    evidence = load_evidence() if evidence is None else evidence
+    study = evidence["study"]
+    found, note = cell_evidence(config, evidence=evidence)
     budget = f"{study['steps']} steps, {len(study['seeds'])} seeds"
-    if evidence is None:
+    if found is None:
         lines.append(f"no suggestion: {note}.")
         return lines
     if note:
         lines.append(f"({note})")
-    spread = f"seed spread {evidence.spread:.3f}"
-    if evidence.helps:
+    spread = f"seed spread {found.spread:.3f}"
+    if found.helps:
         lines.append(
-            f"expected to help: --calibrate auto (probes of every slot's rate, then x0.5 / x2 "
-            f"per slot). In the study cell {evidence.cell} ({budget}) it lowered the "
-            f"validation loss from {evidence.none_mean:.3f} to {evidence.mean:.3f} "
-            f"(by {evidence.gain:.3f}; {spread})."
+            f"expected to help: --calibrate auto (trial runs of the global rate, then of each "
+            f"slot's, at x0.5 and x2). In the study cell {found.cell} ({budget}) it lowered the "
+            f"validation loss from {found.none_mean:.3f} to {found.mean:.3f} "
+            f"(by {found.gain:.3f}; {spread})."
         )
         lines.append("  train with: --calibrate auto")
         lines.append('  or in the config file: [optimiser] calibrate = "auto"')
+    elif found.hurts:
+        lines.append(
+            f"no change is expected to help, and --calibrate auto is expected to hurt: in the "
+            f"study cell {found.cell} ({budget}) it reached {found.mean:.3f} against "
+            f"{found.none_mean:.3f} without it ({spread}). Keep the rates as they are."
+        )
     else:
         lines.append(
-            f"no change is expected to help: in the study cell {evidence.cell} ({budget}) "
-            f"--calibrate auto reached {evidence.mean:.3f} against {evidence.none_mean:.3f} "
+            f"no change is expected to help: in the study cell {found.cell} ({budget}) "
+            f"--calibrate auto reached {found.mean:.3f} against {found.none_mean:.3f} "
             f"without it ({spread}), within the seed spread. Keep the rates as they are."
         )
     return lines

@@ -61,7 +61,7 @@ from fusedpc.training._config_file import (
     RESUMABLE,
     config_to_toml,
 )
-from fusedpc.training._evaluate import evaluate, host_array
+from fusedpc.training._evaluate import batch_losses, evaluate, host_array
 from fusedpc.training._log import LOG_NAME, RunLog, read_log
 from fusedpc.training._memory import check_run_memory
 from fusedpc.training._probe import probe_rates
@@ -306,6 +306,12 @@ class _Session:
             self.val_ids, config.batch * self.processes, config.model.max_len, seed=config.seed
         )
         self.val_x, self.val_y = val_iter.next_batches(config.eval_batches)
+        # The calibration's trials are scored on other windows of the validation split.
+        probe_iter = data.BatchIterator(
+            self.val_ids, config.batch * self.processes, config.model.max_len,
+            seed=config.seed + 1,
+        )
+        self.probe_x, self.probe_y = probe_iter.next_batches(config.eval_batches)
         self.tokens_per_step = config.batch * config.model.max_len * self.processes
 
         history = []
@@ -486,9 +492,11 @@ class _Session:
             f"step {self.step}: calibrating the rates of {', '.join(config.calibrated_slots())} "
             f"by trial runs of {config.probe_steps} steps"
         )
+        probabilities = config.model.head_kind == "categorical"
         result = probe_rates(
             self.pipeline, xs, ys, groups=config.calibrated_slots(),
             per_call=config.steps_per_call,
+            score=lambda p: batch_losses(p, self.probe_x, self.probe_y, probabilities),
         )
         self.pipeline.set_state(
             set_rate_multipliers(self.pipeline.state, result.multipliers),

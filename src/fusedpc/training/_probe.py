@@ -13,7 +13,9 @@ Adam; rebalancing the parts alone never helped). `probe_rates(pipeline, xs, ys)`
    most of the gain in the global rate);
 4. **per-group** trials: for each group $g$ and each factor $f$ in `factors` (0.5 and 2),
    the base with $g$'s multiplier times $f$: $2|G|$ trials;
-5. keeps for each group the factor with the lowest score (1 included), then runs the
+5. keeps for each group the factor with the lowest score (1 included; a change counts
+   only when it is lower than the trial it is compared with by more than `significance`
+   standard errors of their step-by-step loss differences), then runs the
    **combined** choice once more; if it does not beat the base, the single best trial's
    change is kept instead, and if none beat the base, the base stays;
 6. restores the saved state and counters exactly, and returns the choice with every trial's
@@ -22,12 +24,15 @@ Adam; rebalancing the parts alone never helped). `probe_rates(pipeline, xs, ys)`
 $1 + |F_{global}| + 2|G| + 1$ trials at most: 16 for a GPT's six slots; one calibration
 changes a rate by x0.25 to x4 at most.
 
-A trial's **score** is the mean loss over the last `score_fraction` of its steps. Each
-step's loss is measured on its batch before that batch updates the weights, so the score is
-a held-out loss of the model as the trial trains it (no validation data is used), and every
-trial sees the same batches. A trial with a non-finite loss or a refused step scores
-infinity. The probes consume no data position: the run continues on the same batches
-afterwards.
+A trial's **score** is its held-out loss: `score(pipeline)`, the losses of held-out batches
+after the trial (`fusedpc train` passes windows of its validation split other than those it
+evaluates on), compared batch for batch between trials. Without `score`, the mean loss over
+the last `score_fraction` of the trial's own steps: each step's loss is measured on its
+batch before that batch trains the weights, which is held out only while the batches are
+new (on a small text they repeat within a few hundred steps, and this score then favours
+overfitting). A trial with a non-finite loss or a refused step scores infinity. Every
+trial sees the same batches, and the probes consume no data position: the run continues on
+the same batches afterwards.
 """
 
 from __future__ import annotations
@@ -133,11 +138,29 @@ def choose_factors(
     return chosen
 
 
-def _score(losses: np.ndarray, committed: np.ndarray, fraction: float) -> float:
+def _tail(losses: np.ndarray, committed: np.ndarray, fraction: float) -> np.ndarray | None:
+    """The scored steps' losses, or None for a trial that failed (a refused step or a
+    non-finite loss)."""
     if not (np.all(committed) and np.all(np.isfinite(losses))):
-        return math.inf
-    tail = max(1, int(round(len(losses) * fraction)))
-    return float(np.mean(losses[-tail:]))
+        return None
+    return losses[-max(1, int(round(len(losses) * fraction))):].astype(np.float64)
+
+
+def lower_by_more_than_noise(
+    candidate: np.ndarray | None, reference: np.ndarray | None, significance: float
+) -> bool:
+    """Whether `candidate`'s per-step losses are lower than `reference`'s (the same batches,
+    step for step) by more than `significance` standard errors of their differences,
+    $\\bar d < -z\\, s_d / \\sqrt{n}$ with $d_i = c_i - r_i$; a failed trial (None) never is,
+    and anything is lower than a failed reference."""
+    if candidate is None:
+        return False
+    if reference is None:
+        return True
+    d = candidate - reference
+    if d.size < 2 or significance == 0:
+        return bool(d.mean() < 0)
+    return bool(d.mean() < -significance * d.std(ddof=1) / math.sqrt(d.size))
 
 
 def probe_rates(
@@ -149,7 +172,9 @@ def probe_rates(
     factors: Sequence[float] = PROBE_FACTORS,
     global_factors: Sequence[float] = GLOBAL_FACTORS,
     per_call: int | None = None,
+    score: Callable[[Any], Any] | None = None,
     score_fraction: float = 0.5,
+    significance: float = 2.0,
     group: Callable[[str], str | None] = gpt_slot,
 ) -> ProbeResult:
     """Probe each group's rate at `factors` from the pipeline's current state (see the
@@ -167,7 +192,15 @@ def probe_rates(
             the same).
         per_call: steps per compiled `run` call (use the run's own `steps_per_call` so that
             the trials reuse its program); all P in one call by default.
-        score_fraction: the share of each trial's last steps whose mean loss is its score.
+        score: `score(pipeline) -> losses` (a 1-d array: one loss per held-out batch, the
+            same batches for every trial) read after each trial; its mean is the trial's
+            score. None: the trial's own step losses (see above).
+        score_fraction: without `score`, the share of each trial's last steps whose mean
+            loss is its score.
+        significance: a change counts as lower only when its scored losses are below
+            those of the trial it is compared with (the same batches) by more than this
+            many standard errors of their batch-by-batch differences
+            (`lower_by_more_than_noise`); 0: any lower score counts.
         group: a state path -> its group (a GPT's slots by default).
 
     Raises:
@@ -181,6 +214,12 @@ def probe_rates(
             "fusedpc.training.with_rate_multiplier (fusedpc train does with --calibrate)."
         )
     groups = tuple(before) if groups is None else tuple(groups)
+    reserved = sorted(set(groups) & {"all", "baseline", "combined"})
+    if reserved:
+        raise ValueError(
+            f"groups: {reserved} name trials of their own (all, baseline, combined); "
+            "give the groups other names."
+        )
     unknown = sorted(set(groups) - set(before))
     if unknown:
         raise ValueError(
@@ -193,6 +232,8 @@ def probe_rates(
             raise ValueError(
                 f"{name}: expected positive numbers other than 1, got {list(values)!r}."
             )
+    if not (significance >= 0 and math.isfinite(significance)):
+        raise ValueError(f"significance: expected a number >= 0, got {significance!r}.")
     if not 0.0 < score_fraction <= 1.0:
         raise ValueError(f"score_fraction: expected a number in (0, 1], got {score_fraction!r}.")
     steps = int(np.shape(xs)[0])
@@ -208,6 +249,7 @@ def probe_rates(
     saved = jax.tree_util.tree_map(jnp.copy, pipeline.state)
     counters = jax.tree_util.tree_map(jnp.copy, pipeline.counters)
     trials: list[ProbeTrial] = []
+    tails: dict[str, np.ndarray | None] = {}
     ran = [0]
 
     def trial(multipliers: dict[str, float], label: str) -> float:
@@ -222,38 +264,55 @@ def probe_rates(
             losses.append(np.asarray(metrics.loss))
             committed.append(np.asarray(metrics.committed))
         ran[0] += steps
-        score = _score(np.concatenate(losses), np.concatenate(committed), score_fraction)
-        trials.append(ProbeTrial(dict(multipliers), score, label))
-        return score
+        scored = _tail(np.concatenate(losses), np.concatenate(committed), score_fraction)
+        if score is not None and scored is not None:
+            held = np.ravel(np.asarray(score(pipeline), np.float64))
+            scored = held if np.all(np.isfinite(held)) else None
+        tails[label] = scored
+        value = math.inf if scored is None else float(np.mean(scored))
+        trials.append(ProbeTrial(dict(multipliers), value, label))
+        return value
+
+    def counted(value: float, label: str, reference: str) -> float:
+        """`value`, or infinity when it is not lower than `reference`'s beyond the noise."""
+        lower = lower_by_more_than_noise(tails[label], tails[reference], significance)
+        return value if lower else math.inf
 
     try:
         baseline = trial(before, "baseline")
-        base, base_score = dict(before), baseline
+        base, base_score, base_label = dict(before), baseline, "baseline"
         if len(groups) > 1 and global_factors:
             overall = {
-                f: trial({**before, **{g: before[g] * f for g in groups}}, f"all x{f:g}")
+                f: counted(
+                    trial({**before, **{g: before[g] * f for g in groups}}, f"all x{f:g}"),
+                    f"all x{f:g}", "baseline",
+                )
                 for f in global_factors
             }
             f_all = choose_factors(baseline, {"all": overall}).get("all", 1.0)
             if f_all != 1.0:
                 base = {**before, **{g: before[g] * f_all for g in groups}}
-                base_score = overall[f_all]
+                base_score, base_label = overall[f_all], f"all x{f_all:g}"
         scores: dict[str, dict[float, float]] = {}
         for g in groups:
-            scores[g] = {f: trial({**base, g: base[g] * f}, f"{g} x{f:g}") for f in factors}
+            scores[g] = {
+                f: counted(trial({**base, g: base[g] * f}, f"{g} x{f:g}"), f"{g} x{f:g}",
+                           base_label)
+                for f in factors
+            }
         chosen = choose_factors(base_score, scores)
-        multipliers, score = base, base_score
+        multipliers, final = base, base_score
         if len(chosen) == 1:
             (g, f), = chosen.items()
-            multipliers, score = {**base, g: base[g] * f}, scores[g][f]
+            multipliers, final = {**base, g: base[g] * f}, scores[g][f]
         elif chosen:
             combined = {**base, **{g: base[g] * f for g, f in chosen.items()}}
             combined_score = trial(combined, "combined")
-            if combined_score < base_score:
-                multipliers, score = combined, combined_score
+            if counted(combined_score, "combined", base_label) < base_score:
+                multipliers, final = combined, combined_score
             else:  # the choices do not add up: keep the best single change
                 g, f = min(chosen.items(), key=lambda item: scores[item[0]][item[1]])
-                multipliers, score = {**base, g: base[g] * f}, scores[g][f]
+                multipliers, final = {**base, g: base[g] * f}, scores[g][f]
     finally:
         pipeline.set_state(saved, counters=counters)
-    return ProbeResult(before, multipliers, baseline, score, tuple(trials), ran[0])
+    return ProbeResult(before, multipliers, baseline, final, tuple(trials), ran[0])
