@@ -249,7 +249,8 @@ def test_report_prints_the_calibration_table(tiny_run, tmp_path, capsys):
     # the suggestion: the study cell of the tiny run's settings (precision_weighted, all, adam)
     suggestion = out.split("suggestion (from the calibration study, or this run's own "
                            "calibration):\n", 1)[1]
-    assert "study cell hamlet / precision_weighted / learn=all / adam" in suggestion
+    assert "  hamlet / precision_weighted / learn=all / adam: " in suggestion
+    assert "  GPL-3 / precision_weighted / learn=all / adam: " in suggestion
     assert suggestion.startswith(("  expected to help: --calibrate auto",
                                   "  no change is expected to help"))
     for name in ("loss.png", "update_norm.png", "update_ratio.png"):

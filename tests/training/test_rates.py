@@ -301,14 +301,23 @@ def test_the_suggestion_cites_its_study_cell_or_says_no_change_helps():
     assert note == "" and found is not None
     assert found.cell == "hamlet / standard / learn=all / adam" and found.twin_mean == 2.15
     assert found.gain == pytest.approx(0.10) and found.helps
-    (first, *paste) = suggest(config, [], _evidence(2.10))
-    assert first.startswith("expected to help: --calibrate auto") and "2.200 to 2.100" in first
-    assert "(by 0.100; seed spread 0.010)" in first and "1200 steps, 3 seeds" in first
+    (first, figures, *paste) = suggest(config, [], _evidence(2.10))
+    assert first.startswith("expected to help: --calibrate auto") and "1200 steps, 3 seeds" in first
+    assert figures == ("  hamlet / standard / learn=all / adam: 2.200 without, 2.100 with "
+                       "--calibrate auto (lower by 0.100; seed spread 0.010)")
     assert paste == ["  train with: --calibrate auto",
                      '  or in the config file: [optimiser] calibrate = "auto"']
     # within the spread: said plainly
-    (only,) = suggest(config, [], _evidence(2.195, 0.02))
-    assert only.startswith("no change is expected to help") and "Keep the rates" in only
+    first, _, last = suggest(config, [], _evidence(2.195, 0.02))
+    assert first.startswith("no change is expected to help: --calibrate auto did not beat")
+    assert last == "  keep the rates as they are"
+    # every text counts: helping on one and hurting on another is no suggestion to use it
+    two = _evidence(2.10)
+    two["study"]["texts"] = ["hamlet", "other"]
+    two["cells"] += [{**c, "text": "other"} for c in _evidence(2.30)["cells"]]
+    lines = suggest(config, [], two)
+    assert lines[0].startswith("no change is expected to help, and --calibrate auto may hurt")
+    assert lines[2].startswith("  other / standard / learn=all / adam: 2.200 without, 2.300")
     # no such cell
     other = TrainConfig(optimiser="sgd", model=fusedpc.GPTConfig(learning_kind="standard"))
     assert suggest(other, [], _evidence(2.1)) == [
@@ -341,6 +350,7 @@ def test_the_suggestion_warns_where_the_study_found_the_calibration_worse():
     from fusedpc.training._evidence import suggest
 
     config = TrainConfig(model=fusedpc.GPTConfig(learning_kind="standard"))
-    (only,) = suggest(config, [], _evidence(2.30))  # 0.10 worse, spread 0.01
-    assert only.startswith("no change is expected to help, and --calibrate auto is expected "
-                           "to hurt") and "2.300 against 2.200" in only
+    first, figures, last = suggest(config, [], _evidence(2.30))  # 0.10 worse, spread 0.01
+    assert first.startswith("no change is expected to help, and --calibrate auto may hurt")
+    assert "2.200 without, 2.300 with --calibrate auto (higher by 0.100" in figures
+    assert last == "  keep the rates as they are"

@@ -77,13 +77,17 @@ def _preset(config: TrainConfig) -> str | None:
 
 
 def cell_evidence(
-    config: TrainConfig, method: str = SUGGESTED_METHOD, evidence: dict | None = None
+    config: TrainConfig,
+    method: str = SUGGESTED_METHOD,
+    evidence: dict | None = None,
+    text: str | None = None,
 ) -> tuple[CellEvidence | None, str]:
-    """The study cell of the bundled text that matches `config` (learning kind, `learn`
-    preset, optimiser; `adamw` reads as `adam`), and a note on how well it matches."""
+    """The study cell of `text` (the study's first, the bundled one, by default) that
+    matches `config` (learning kind, `learn` preset, optimiser; `adamw` reads as `adam`),
+    and a note on how well it matches."""
     evidence = load_evidence() if evidence is None else evidence
     cells = evidence["cells"]
-    texts = evidence["study"]["texts"]
+    texts = [evidence["study"]["texts"][0] if text is None else text]
     optimiser = "adam" if config.optimiser == "adamw" else config.optimiser
     preset = _preset(config)
     note = ""
@@ -146,33 +150,44 @@ def suggest(
         return lines
     evidence = load_evidence() if evidence is None else evidence
     study = evidence["study"]
-    found, note = cell_evidence(config, evidence=evidence)
     budget = f"{study['steps']} steps, {len(study['seeds'])} seeds"
-    if found is None:
-        lines.append(f"no suggestion: {note}.")
-        return lines
+    found, note = [], ""
+    for text in study["texts"]:  # the verdict rests on every text of the study
+        cell, note = cell_evidence(config, evidence=evidence, text=text)
+        if cell is None:
+            lines.append(f"no suggestion: {note}.")
+            return lines
+        found.append(cell)
     if note:
         lines.append(f"({note})")
-    spread = f"seed spread {found.spread:.3f}"
-    if found.helps:
+    per_text = [
+        f"  {c.cell}: {c.none_mean:.3f} without, {c.mean:.3f} with --calibrate auto "
+        f"({'lower' if c.gain >= 0 else 'higher'} by {abs(c.gain):.3f}; seed spread "
+        f"{c.spread:.3f})"
+        for c in found
+    ]
+    texts = "every text" if len(found) > 1 else "the study's text"
+    if all(c.helps for c in found):
         lines.append(
             f"expected to help: --calibrate auto (trial runs of the global rate, then of each "
-            f"slot's, at x0.5 and x2). In the study cell {found.cell} ({budget}) it lowered the "
-            f"validation loss from {found.none_mean:.3f} to {found.mean:.3f} "
-            f"(by {found.gain:.3f}; {spread})."
+            f"slot's, at x0.5 and x2) lowered the validation loss by more than the seed spread "
+            f"on {texts} of the study ({budget}):"
         )
+        lines.extend(per_text)
         lines.append("  train with: --calibrate auto")
         lines.append('  or in the config file: [optimiser] calibrate = "auto"')
-    elif found.hurts:
+    elif any(c.hurts for c in found):
         lines.append(
-            f"no change is expected to help, and --calibrate auto is expected to hurt: in the "
-            f"study cell {found.cell} ({budget}) it reached {found.mean:.3f} against "
-            f"{found.none_mean:.3f} without it ({spread}). Keep the rates as they are."
+            "no change is expected to help, and --calibrate auto may hurt: it was worse than "
+            f"no calibration by more than the seed spread in the study ({budget}):"
         )
+        lines.extend(per_text)
+        lines.append("  keep the rates as they are")
     else:
         lines.append(
-            f"no change is expected to help: in the study cell {found.cell} ({budget}) "
-            f"--calibrate auto reached {found.mean:.3f} against {found.none_mean:.3f} "
-            f"without it ({spread}), within the seed spread. Keep the rates as they are."
+            "no change is expected to help: --calibrate auto did not beat no calibration by "
+            f"more than the seed spread on {texts} of the study ({budget}):"
         )
+        lines.extend(per_text)
+        lines.append("  keep the rates as they are")
     return lines
