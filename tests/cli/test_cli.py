@@ -156,7 +156,10 @@ def test_calibrate_probe_logs_the_rates_and_resumes_bit_for_bit(train_cli, tmp_p
     flags = ("--calibrate", "probe", "--calibrate-at", "10", "--probe-steps", "5",
              "--sample-tokens", "0")
     assert train_cli("--steps", "20", *flags, "--out", str(whole)) == 0
-    assert "step 10: calibrating the rates of token, position" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "step 10: calibrating the rates of token, position" in printed.err
+    assert "calibration trials" in printed.out  # the summary says what the trials took
+    assert _records(whole, "summary")[0]["calibration_s"] > 0
     assert train_cli("--steps", "10", *flags, "--out", str(split)) == 0
     assert "note: the calibration is at step 10, not before this run's end" in (
         capsys.readouterr().err)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fusedpc.training import Column, format_rows
@@ -64,3 +66,6 @@ def test_the_end_of_run_summary_is_unchanged(tmp_path, interrupted):
     )
     assert format_summary(result) == _old_format_summary(result)
     assert "validation perplexity       6.36" in format_summary(result)
+    assert "calibration" not in format_summary(result)  # a row only when trials ran
+    calibrated = dataclasses.replace(result, calibration_s=45.2)
+    assert ("calibration trials", "0:45") in calibrated.summary_rows()

@@ -129,6 +129,8 @@ class TrainResult:
     files: list[Path]
     skips: dict[str, int] = dataclasses.field(default_factory=dict)
     sample_prompt: str = ""
+    calibration_s: float = 0.0
+    """Seconds of this session's calibration trials (`--calibrate`); 0 without."""
 
     def marked_sample(self) -> str:
         """The sample with its prompt in brackets: `[prompt]continuation`."""
@@ -147,6 +149,8 @@ class TrainResult:
              f"{self.tokens_per_s:,.0f}" if math.isfinite(self.tokens_per_s) else "-"),
             ("time (all sessions)", format_duration(self.elapsed_s)),
             ("first call (compiling)", f"{self.compile_s:.1f} s"),
+            *([("calibration trials", format_duration(self.calibration_s))]
+              if self.calibration_s else []),
             ("skipped steps", _format_skips(self.skipped_steps, self.skips)),
             ("output folder", str(self.out)),
         ]
@@ -562,12 +566,13 @@ class _Session:
             tokenizer=self.tokenizer,
             files=[],
             sample_prompt=prompt,
+            calibration_s=self.calibration_s,
         )
         self.log.emit({"kind": "summary", "step": self.step, "train_loss": result.train_loss,
                        "val_loss": result.val_loss, "val_perplexity": result.val_perplexity,
                        "tokens_per_s": result.tokens_per_s, "elapsed_s": result.elapsed_s,
                        "compile_s": result.compile_s, "skipped_steps": result.skipped_steps,
-                       "skips": result.skips,
+                       "skips": result.skips, "calibration_s": result.calibration_s,
                        "interrupted": interrupted})
         self.log.close()
         if self.leader:
