@@ -52,6 +52,7 @@ from fusedpc.training import (
     with_rate_multiplier,
 )
 from fusedpc.training._calibrate import calibrate_slots
+from fusedpc.training._evaluate import batch_losses
 from fusedpc.transformer import reference
 
 KINDS = ("precision_weighted", "standard", "synaptic_uncertainty")
@@ -179,9 +180,8 @@ def rated(name: str, lr: float) -> optax.GradientTransformation:
     return with_rate_multiplier(make_optimiser(name, lr))
 
 
-def with_rates(state, base_lr: float, multipliers: dict[str, float]):
+def with_rates(state, multipliers: dict[str, float]):
     """`state` with every rated slot's multiplier set (1 for the slots not named)."""
-    del base_lr  # the optimisers keep it; the multipliers scale it
     every = dict.fromkeys(rate_multipliers(state), 1.0)
     return set_rate_multipliers(state, {**every, **multipliers})
 
@@ -196,12 +196,6 @@ def held_out_loss(logits_fn, xs: np.ndarray, ys: np.ndarray) -> float:
     n, b, t = xs.shape
     logits = logits_fn(jnp.asarray(xs.reshape(n * b, t)))
     return float(reference.cross_entropy(logits, jnp.asarray(ys.reshape(n * b, t))))
-
-
-def batch_held_out_losses(logits_fn, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """The next-token cross-entropy of each batch of `xs`, `ys` `(N, B, T)`: `(N,)`."""
-    return np.asarray([float(reference.cross_entropy(logits_fn(jnp.asarray(x)), jnp.asarray(y)))
-                       for x, y in zip(xs, ys, strict=True)])
 
 
 @dataclasses.dataclass
@@ -298,7 +292,7 @@ class Cell:
         """Every method's run for one text and seed, from one shared warm-up."""
         study = self.study
         t0 = time.perf_counter()
-        self.pipeline.set_state(with_rates(self.fresh(seed).state, self.lr, {}))
+        self.pipeline.set_state(with_rates(self.fresh(seed).state, {}))
         batches = data.BatchIterator(text.train, study.batch, study.seq_len, seed=seed)
         rows: list[dict] = []
         self.train(batches, study.warmup, rows)
@@ -309,10 +303,10 @@ class Cell:
         batches.step = study.warmup
 
         def probe(groups: tuple[str, ...], group=gpt_slot):
-            self.pipeline.set_state(with_rates(warm, self.lr, {}), steps=study.warmup)
+            self.pipeline.set_state(with_rates(warm, {}), steps=study.warmup)
             result = probe_rates(self.pipeline, probe_xs, probe_ys, groups=groups,
                                  per_call=study.per_call, group=group,
-                                 score=lambda p: batch_held_out_losses(p.predict, *text.probe))
+                                 score=lambda p: batch_losses(p, *text.probe, False))
             probes[0] += result.steps
             return result
 
@@ -322,7 +316,7 @@ class Cell:
             t1 = time.perf_counter()
             probes[0] = 0
             multipliers = METHODS[method](warm_up, self.lr, self.rated_slots)
-            self.pipeline.set_state(with_rates(warm, self.lr, multipliers), steps=study.warmup)
+            self.pipeline.set_state(with_rates(warm, multipliers), steps=study.warmup)
             batches.step = study.warmup
             losses = self.train(batches, study.steps - study.warmup)
             val = self.loss(text.val)
@@ -509,7 +503,7 @@ def parse(argv: list[str] | None) -> tuple[Study, list[str], str]:
                    help="share of the budget the warm-up takes (default 0.15)")
     p.add_argument("--probe-steps", type=int, default=None,
                    help="steps per probe of the probe method, rounded to whole calls "
-                        "(default 50, as fusedpc train's --probe-steps; quick 20)")
+                        "(default 100, as fusedpc train's --probe-steps; quick 20)")
     p.add_argument("--per-call", type=int, default=20, help="steps per compiled call")
     p.add_argument("--seeds", default=None, help="seeds, e.g. 0,1,2 (default; quick 0,1)")
     p.add_argument("--kinds", default=",".join(KINDS))
@@ -532,7 +526,7 @@ def parse(argv: list[str] | None) -> tuple[Study, list[str], str]:
     study = Study(
         steps=calls(steps),
         warmup=calls(a.warmup * steps),
-        probe_steps=calls(a.probe_steps or (20 if a.quick else 50)),
+        probe_steps=calls(a.probe_steps or (20 if a.quick else 100)),
         per_call=a.per_call,
         seeds=tuple(int(s) for s in seeds.split(",")),
         kinds=names(a.kinds, KINDS, "--kinds"),
@@ -616,22 +610,11 @@ def main(argv: list[str] | None = None) -> int:
                           f"an optimiser under {kind}: identical to the "
                           f"{study.optimisers[0]} cell"})
                     continue
-                if not cell.rated_slots:
-                    methods = tuple(m for m in methods if m == "none")
-                for method in study.methods:
-                    if method not in methods:
-                        emit({"kind": "skipped", "learning_kind": kind, "learn": preset,
-                              "optimiser": optimiser, "method": method,
-                              "reason": f"{kind} sets no slot's rate through an optimiser "
-                              "here, so rate multipliers do not apply"})
-                    elif set(cell.rated_slots) != set(cell.slots) and method != "none":
-                        emit({"kind": "note", "learning_kind": kind, "learn": preset,
-                              "optimiser": optimiser, "method": method,
-                              "reason": f"only {list(cell.rated_slots)} take an optimiser "
-                              f"under {kind}; the multipliers apply to those slots alone"})
-                # a cell whose slots take no optimiser is labelled by its own rule
+                # every learning slot carries a multiplier (the synaptic rule's too), so every
+                # method runs on every slot; a cell whose slots take no optimiser is labelled
+                # by its own rule
                 label = optimiser if cell.uses_optimiser else "own_rule"
-                for text in texts if methods else ():
+                for text in texts:
                     for seed in study.seeds:
                         for result in cell.seed_runs(text, seed, methods):
                             record({"text": text.name, "learning_kind": kind, "learn": preset,

@@ -36,8 +36,8 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--warmup-steps", "steps of linear warm-up from 0 to --lr; 0: none"),
     ("--lr-decay-steps", "the step where the cosine ends; 0: the run's --steps"),
     ("--lr-final-fraction", "the cosine's final rate, as a fraction of --lr"),
-    ("--slot-lr-scales", "per-slot rate multipliers, e.g. head=0.5,attention=2 (what "
-     "'fusedpc report' suggests)"),
+    ("--slot-lr-scales", "per-slot rate multipliers, e.g. head=0.5,attention=2 (such as the "
+     "rates a calibration chose, which 'fusedpc report' prints)"),
     ("--calibrate", "none, or probe (also: auto): calibrate every slot's rate once, at "
      "--calibrate-at, by trial runs at x0.5 and x2 that keep what lowers the held-out loss"),
     ("--calibrate-at", "the step of the calibration; 0: 15%% of --steps"),

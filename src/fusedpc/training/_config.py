@@ -89,18 +89,20 @@ class TrainConfig:
             run that goes further keeps the schedule it began with.
         lr_final_fraction: [optimiser] the cosine's final rate, as a fraction of `lr`.
         slot_lr_scales: [optimiser] per-slot rate multipliers, e.g. `"head=0.5,attention=2"`
-            (the multipliers `fusedpc report` suggests); each slot then gets its own
-            optimiser.
+            (such as those a calibration chose, which `fusedpc report` prints); each slot
+            then gets its own optimiser.
         calibrate: [optimiser] `"none"`, or `"probe"` (also spelt `"auto"`: the method the
             calibration study supports) to calibrate every slot's rate once during the
             run: at step `calibrate_at`, short trial runs of `probe_steps` steps each try
-            every slot's rate at x0.5 and x2 and keep what lowers their held-out loss
+            every rate at x0.5 and x2 together, then each slot's, and keep what lowers
+            their loss on held-out validation windows beyond its noise
             (`fusedpc.training.probe_rates`). The rates' multipliers live in the optimiser
             state (checkpointed; changing them does not recompile) and are logged.
         calibrate_at: [optimiser] the step of the calibration; 0: 15 % of `steps`, rounded
             to whole calls of `steps_per_call` (recorded as a number when the run starts).
-        probe_steps: [optimiser] steps per trial run of the calibration; every slot costs
-            two trials, and the baseline and the combined choice one each.
+        probe_steps: [optimiser] steps per trial run of the calibration; up to
+            `2 |slots| + 4` trials: the baseline, the two global ones, two per slot and the
+            combined choice.
         steps: [training] the total of steps to reach.
         batch: [training] rows per step per process, $B$.
         steps_per_call: [training] K, the steps per compiled call.

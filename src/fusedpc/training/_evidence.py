@@ -87,7 +87,7 @@ def cell_evidence(
     and a note on how well it matches."""
     evidence = load_evidence() if evidence is None else evidence
     cells = evidence["cells"]
-    texts = [evidence["study"]["texts"][0] if text is None else text]
+    text = evidence["study"]["texts"][0] if text is None else text
     optimiser = "adam" if config.optimiser == "adamw" else config.optimiser
     preset = _preset(config)
     note = ""
@@ -99,7 +99,7 @@ def cell_evidence(
 
     def find(m: str, k: str = kind, p: str = preset, o: str = optimiser):
         for c in cells:
-            if (c["text"], c["learning_kind"], c["learn"], c["method"]) == (texts[0], k, p, m) \
+            if (c["text"], c["learning_kind"], c["learn"], c["method"]) == (text, k, p, m) \
                     and c["optimiser"] in (o, "own_rule"):
                 return c
         return None
@@ -108,7 +108,7 @@ def cell_evidence(
     if none is None or chosen is None:
         return None, f"the study has no cell {kind}/{preset}/{optimiser}"
     twin = find("backprop_twin", "backprop", "all")
-    cell = f"{texts[0]} / {kind} / learn={preset} / {chosen['optimiser']}"
+    cell = f"{text} / {kind} / learn={preset} / {chosen['optimiser']}"
     return CellEvidence(
         cell=cell, method=method, none_mean=none["val_loss_mean"],
         none_std=none["val_loss_std"], mean=chosen["val_loss_mean"],

@@ -310,12 +310,13 @@ class _Session:
             self.val_ids, config.batch * self.processes, config.model.max_len, seed=config.seed
         )
         self.val_x, self.val_y = val_iter.next_batches(config.eval_batches)
-        # The calibration's trials are scored on other windows of the validation split.
-        probe_iter = data.BatchIterator(
-            self.val_ids, config.batch * self.processes, config.model.max_len,
-            seed=config.seed + 1,
-        )
-        self.probe_x, self.probe_y = probe_iter.next_batches(config.eval_batches)
+        if config.calibrate != "none":
+            # the calibration's trials are scored on other windows of the validation split
+            probe_iter = data.BatchIterator(
+                self.val_ids, config.batch * self.processes, config.model.max_len,
+                seed=config.seed + 1,
+            )
+            self.probe_x, self.probe_y = probe_iter.next_batches(config.eval_batches)
         self.tokens_per_step = config.batch * config.model.max_len * self.processes
 
         history = []

@@ -71,14 +71,13 @@ def _is_multiplier(node: Any) -> bool:
 
 def _multiplier_nodes(
     state: Any, group: Callable[[str], str | None]
-) -> list[tuple[str, str | None, RateMultiplierState]]:
-    """`(path, group, node)` for every `RateMultiplierState` in `state`, in tree order."""
-    found = []
-    for path, node in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_multiplier):
-        if _is_multiplier(node):
-            name = jax.tree_util.keystr(path)
-            found.append((name, group(name), node))
-    return found
+) -> list[tuple[str | None, RateMultiplierState]]:
+    """`(group, node)` for every `RateMultiplierState` in `state`, in tree order."""
+    return [
+        (group(jax.tree_util.keystr(path)), node)
+        for path, node in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_multiplier)
+        if _is_multiplier(node)
+    ]
 
 
 def rate_multipliers(
@@ -94,7 +93,7 @@ def rate_multipliers(
             out; a GPT's slots by default (`gpt_slot`).
     """
     values: dict[str, list[float]] = {}
-    for _, name, node in _multiplier_nodes(state, group):
+    for name, node in _multiplier_nodes(state, group):
         if name is not None:
             values.setdefault(name, []).extend(np.ravel(np.asarray(node.multiplier)).tolist())
     return {
@@ -122,7 +121,7 @@ def set_rate_multipliers(
         ValueError: for a group that no multiplier belongs to (the message lists those that
             exist) or a multiplier that is not a positive finite number.
     """
-    present = {name for _, name, _ in _multiplier_nodes(state, group) if name is not None}
+    present = {name for name, _ in _multiplier_nodes(state, group) if name is not None}
     unknown = sorted(set(multipliers) - present)
     if unknown:
         raise ValueError(
