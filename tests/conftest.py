@@ -5,7 +5,8 @@
 - Compile time dominates a suite of tiny programs, so: XLA's CPU backend at optimisation level
   0 (the programs' semantics are the same; only LLVM's code generation is cheaper — benchmarks
   never use this), and a compilation cache shared by the test processes, so that identical
-  programs (the same small GPT built by several tests) compile once. Set
+  programs (the same small GPT built by several tests) compile once; the subprocesses that
+  tests start use it too, through JAX's environment variables. Set
   `FUSEDPC_TEST_FAST_COMPILE=0` / `FUSEDPC_TEST_COMPILE_CACHE=none` to turn them off.
 """
 
@@ -30,6 +31,11 @@ if _CACHE != "none":
     jax.config.update("jax_compilation_cache_dir", _CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # the same for the interpreters that tests start (sharding workers, default-level parity
+    # checks, scripts' smoke runs): JAX reads its settings from these variables too
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 
 @pytest.fixture

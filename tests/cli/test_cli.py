@@ -1,8 +1,8 @@
 """`fusedpc train` and `fusedpc report` end to end, on the tiny config (configs/tiny.toml).
 
-Every run here shares one JAX compilation cache folder (`--compile-cache`), so the programs of
-the tiny model are compiled once for the whole module; a cached program is the same program,
-so results are unchanged.
+Every run here shares one JAX compilation cache folder (`--compile-cache`: the suite's, see
+tests/conftest.py, or one of the module's own), so the programs of the tiny model are compiled
+once; a cached program is the same program, so results are unchanged.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ _CACHE_KEYS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_ti
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     before = {name: getattr(jax.config, name) for name in _CACHE_KEYS}
-    yield str(tmp_path_factory.mktemp("compile-cache"))
+    # the suite's cache (tests/conftest.py) when it has one, so that a later run of the suite
+    # finds these programs compiled; a folder of the module's own otherwise
+    yield before["jax_compilation_cache_dir"] or str(tmp_path_factory.mktemp("compile-cache"))
     for name, value in before.items():
         jax.config.update(name, value)
     compilation_cache.reset_cache()
