@@ -14,6 +14,8 @@ from fusedpc import transplant as transplant
 from fusedpc._version import __version__ as __version__
 from fusedpc.core import AbstractPart as AbstractPart
 from fusedpc.core import Core as Core
+from fusedpc.core import PartModule as PartModule
+from fusedpc.core import as_module as as_module
 from fusedpc.core import check_backward as check_backward
 from fusedpc.execution import CheckpointError as CheckpointError
 from fusedpc.execution import FusedPipeline as FusedPipeline

@@ -1,6 +1,9 @@
-"""Ready-made frozen parts (linear, activations, LayerNorm, softmax, embedding); their
-implementation lives in `fusedpc.parts.frozen`."""
+"""Ready-made frozen parts (linear, activations, LayerNorm, softmax, embedding) and any
+function or equinox module as a frozen part (`from_function`, `from_module`); their
+implementation lives in `fusedpc.parts.frozen` and `fusedpc.parts._autodiff`."""
 
+from fusedpc.parts._autodiff import from_function as from_function
+from fusedpc.parts._autodiff import from_module as from_module
 from fusedpc.parts.frozen import activation as activation
 from fusedpc.parts.frozen import embedding as embedding
 from fusedpc.parts.frozen import gelu as gelu

@@ -17,6 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
+from _autodiff_cases import CASES as AUTODIFF_CASES
 from helpers import (
     CONFORMANCE_CASES,
     assert_tree_allclose,
@@ -41,6 +42,7 @@ def _attention_dot_product_mixing() -> tuple[fusedpc.AbstractPart, jax.Array]:
 FACTORIES = {
     **CONFORMANCE_CASES,
     "attention_dot_product_mixing": _attention_dot_product_mixing,
+    **AUTODIFF_CASES,
 }
 CASES = sorted(FACTORIES)
 

@@ -128,16 +128,41 @@ def test_one_step_equals_jax_grad_of_the_mean_loss_and_the_same_optimiser():
     assert norm_rel_error(got[0]["weight"], params[0]["weight"]) > 1e-3
 
 
-def _docs_example() -> str:
+def _docs_example(name: str = "own-part") -> str:
     text = (DOCS / "architecture.md").read_text()
-    match = re.search(r"<!-- example: own-part -->\s*```python\n(.*?)```", text, re.DOTALL)
-    assert match, "docs/architecture.md lost its `<!-- example: own-part -->` code block"
+    pattern = rf"<!-- example: {re.escape(name)} -->\s*```python\n(.*?)```"
+    match = re.search(pattern, text, re.DOTALL)
+    assert match, f"docs/architecture.md lost its `<!-- example: {name} -->` code block"
     return match.group(1)
 
 
-def test_the_architecture_guide_example_runs_and_learns(capsys):
+def _run_docs_example(name: str) -> dict:
     namespace: dict = {"__name__": "docs_example"}
-    exec(compile(_docs_example(), "docs/architecture.md", "exec"), namespace)  # noqa: S102
+    exec(compile(_docs_example(name), "docs/architecture.md", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+def test_the_guide_examples_of_frozen_parts_and_of_calling_parts_run(capsys):
+    # The three other ways of the guide's "Writing your own part", as printed there.
+    def checked(line: str) -> float:  # the worst error printed as "BackwardCheck(6.2e-08: ..."
+        assert line.startswith("BackwardCheck("), line
+        return float(line[len("BackwardCheck("):].split(":")[0])
+
+    hand = _run_docs_example("frozen-part")
+    assert checked(capsys.readouterr().out) <= 1e-6  # float32 rounding
+    assert fusedpc.check_backward(hand["part"], hand["x"]) <= 1e-6
+    autodiff = _run_docs_example("autodiff-part")
+    printed = capsys.readouterr().out.splitlines()
+    assert checked(printed[0]) <= 1e-6 and "MLP" in printed[1]
+    assert autodiff["pipeline"].steps == 1
+    called = _run_docs_example("callable-part")
+    assert capsys.readouterr().out.strip() == "(3, 2)"
+    trained, h = called["trained"], called["h"]
+    np.testing.assert_allclose(trained(h), called["pipeline"].predict(h), atol=1e-6)
+
+
+def test_the_architecture_guide_example_runs_and_learns(capsys):
+    namespace = _run_docs_example("own-part")
     pipeline = namespace["pipeline"]
     x, target = namespace["x"], namespace["target"]
     printed = capsys.readouterr().out

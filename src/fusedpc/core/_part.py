@@ -57,6 +57,19 @@ class AbstractPart(eqx.Module):
     def compile(self, path: str) -> Core:
         """Return the part's `Core`; `path` names the part in errors and reports."""
 
+    def __call__(self, x: Any, *, key: jax.Array | None = None) -> Any:
+        """The forward as an equinox-style layer, `(..., in) -> (..., out)`: the shortcut for
+        `fusedpc.as_module(self)(x)`, so a trained tree (`pipeline.merge()`) runs inside
+        ordinary equinox code for inference. A part whose state is drawn from the PRNG key
+        at `init_state` raises a `ValueError` instead of running on random weights: use
+        `fusedpc.as_module(part, key=...)`. `key` here is accepted and ignored, as
+        `eqx.nn.Sequential` passes one to every layer; it never draws the state. Inference
+        only (no cache, no learning step)."""
+        from fusedpc.core._module import as_module  # the module imports this one
+
+        del key
+        return as_module(self)(x)
+
     def validate_input(self, x: Any, path: str) -> None:  # noqa: B027 - optional hook
         """Optional host-side check of a batch before anything is compiled or donated.
 

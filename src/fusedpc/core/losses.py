@@ -155,6 +155,14 @@ def resolve(error_fn: ErrorFunction | str | Callable | None) -> ErrorFunction:
                 f"error_fn: unknown name {error_fn!r}; choose one of {sorted(BY_NAME)} or pass "
                 "a callable error_fn(output, target) -> descent error."
             ) from None
+    from fusedpc.core._part import AbstractPart  # _part does not import this module
+
+    if isinstance(error_fn, AbstractPart):  # callable (its forward), but not an error
+        raise TypeError(
+            f"error_fn: got the part {type(error_fn).__name__}; an error function is a name, "
+            "an ErrorFunction or a callable error_fn(output, target) -> descent error (the "
+            "part tree is the pipeline's first argument)."
+        )
     if callable(error_fn):
         return ErrorFunction(error_fn, None, getattr(error_fn, "__name__", "custom"))
     raise TypeError(

@@ -11,6 +11,8 @@ from fusedpc.parts._attention import AttentionCache as AttentionCache
 from fusedpc.parts._attention import AttentionSlotCaches as AttentionSlotCaches
 from fusedpc.parts._attention import AttentionState as AttentionState
 from fusedpc.parts._attention import MultiHeadAttention as MultiHeadAttention
+from fusedpc.parts._autodiff import AutodiffCache as AutodiffCache
+from fusedpc.parts._autodiff import AutodiffFrozen as AutodiffFrozen
 from fusedpc.parts._compose import Residual as Residual
 from fusedpc.parts._compose import ResidualState as ResidualState
 from fusedpc.parts._compose import Sequential as Sequential

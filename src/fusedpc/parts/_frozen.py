@@ -52,6 +52,13 @@ class Frozen(AbstractPart):
         in_width: int | None = None,
         name: str | None = None,
     ):
+        if isinstance(forward, AbstractPart) or isinstance(backward, AbstractPart):
+            raise TypeError(
+                "Frozen(forward, backward, params): forward and backward are formulas "
+                "forward(params, x) -> (y, cache) and backward(params, cache, error) -> "
+                "input error, got a part; a part already runs in a tree as it is (wrap an "
+                "equinox module with fusedpc.frozen.from_module)."
+            )
         if not callable(forward) or not callable(backward):
             raise TypeError(
                 "Frozen(forward, backward, params): forward and backward must be callables, got "
