@@ -19,7 +19,8 @@ def _run(name: str) -> dict:
 
 
 def test_every_notebook_is_tested():
-    tested = {"01_build_a_hybrid_tree.py", "02_swap_gpt_slots.py", "03_calibrate_rates.py"}
+    tested = {"01_build_a_hybrid_tree.py", "02_swap_gpt_slots.py", "03_calibrate_rates.py",
+              "04_convolution.py"}
     assert {p.name for p in NOTEBOOKS.glob("*.py")} == tested
 
 
@@ -70,3 +71,15 @@ def test_03_calibrate_rates():
         assert r.steps == len(r.trials) * g["K"]
         assert len(r.trials) >= 1 + 2 * len(chosen)  # a baseline, then each part x0.5 and x2
     assert g["probe_steps"] == sum(r.steps for r in results)
+
+
+def test_04_convolution(capsys):
+    g = _run("04_convolution.py")
+    assert g["gap"] < 1e-5  # the transplanted tree computes the equinox model
+    fused, twin = g["fused_losses"], g["twin_losses"]
+    assert fused.shape == twin.shape == (g["STEPS"],)
+    assert np.max(np.abs(fused - twin)) <= 1e-3  # the backprop loss curve, step by step
+    assert fused[-10:].mean() < 0.6 * fused[0]  # the shapes are learned
+    assert g["accuracy"] > g["chance"] + 0.2  # on held-out images
+    assert g["kernel_gap"] < 1e-4
+    assert "held-out accuracy" in capsys.readouterr().out

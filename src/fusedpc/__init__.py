@@ -38,11 +38,13 @@ from fusedpc.execution import save_checkpoint as save_checkpoint
 from fusedpc.execution import shard_widest as shard_widest
 from fusedpc.execution import state_shardings as state_shardings
 from fusedpc.parts import AttentionState as AttentionState
+from fusedpc.parts import ConvParams as ConvParams
 from fusedpc.parts import EmbeddingState as EmbeddingState
 from fusedpc.parts import Frozen as Frozen
 from fusedpc.parts import FrozenState as FrozenState
 from fusedpc.parts import LayerNormParams as LayerNormParams
 from fusedpc.parts import LayerNormState as LayerNormState
+from fusedpc.parts import LearningConv2d as LearningConv2d
 from fusedpc.parts import LearningEmbedding as LearningEmbedding
 from fusedpc.parts import LearningLayerNorm as LearningLayerNorm
 from fusedpc.parts import LearningNetwork as LearningNetwork

@@ -1,9 +1,14 @@
-"""Ready-made frozen parts (linear, activations, LayerNorm, softmax, embedding) and any
+"""Ready-made frozen parts (linear, activations, LayerNorm, softmax, embedding, convolution,
+pooling, flatten) and any
 function or equinox module as a frozen part (`from_function`, `from_module`); their
 implementation lives in `fusedpc.parts.frozen` and `fusedpc.parts._autodiff`."""
 
 from fusedpc.parts._autodiff import from_function as from_function
 from fusedpc.parts._autodiff import from_module as from_module
+from fusedpc.parts.conv import avg_pool as avg_pool
+from fusedpc.parts.conv import conv2d as conv2d
+from fusedpc.parts.conv import flatten as flatten
+from fusedpc.parts.conv import max_pool as max_pool
 from fusedpc.parts.frozen import activation as activation
 from fusedpc.parts.frozen import embedding as embedding
 from fusedpc.parts.frozen import gelu as gelu

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _autodiff_cases import CASES as AUTODIFF_CASES
+from _conv_cases import CASES as CONV_CASES
+from _conv_cases import RESHAPING
 from helpers import (
     CONFORMANCE_CASES,
     assert_tree_allclose,
@@ -43,6 +45,7 @@ FACTORIES = {
     **CONFORMANCE_CASES,
     "attention_dot_product_mixing": _attention_dot_product_mixing,
     **AUTODIFF_CASES,
+    **CONV_CASES,
 }
 CASES = sorted(FACTORIES)
 
@@ -82,9 +85,14 @@ def test_output_shapes(name):
     x, y = ref.x, ref.y
     abstract_y, _ = jax.eval_shape(ref.core.forward, ref.state, x)
     assert (y.shape, y.dtype) == (abstract_y.shape, abstract_y.dtype)
-    # Every leading axis is a row: rows in, rows out (token ids: every axis is a row).
+    # Every leading axis is a row: rows in, rows out (token ids: every axis is a row). An
+    # image's rows are the axes before (height, width, channels): parts that pool, stride or
+    # flatten keep only the batch axis.
     rows = x.shape[:-1] if _is_float(x) else x.shape
-    assert y.shape[:-1] == rows, f"{name}: output {y.shape} for input {x.shape}"
+    if name in RESHAPING:
+        assert y.shape[0] == x.shape[0], f"{name}: output {y.shape} for input {x.shape}"
+    else:
+        assert y.shape[:-1] == rows, f"{name}: output {y.shape} for input {x.shape}"
     assert y.dtype == jnp.float32
     assert bool(jnp.all(jnp.isfinite(y)))
     if _is_float(x):

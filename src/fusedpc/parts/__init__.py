@@ -4,6 +4,7 @@ learning parts (`fusedpc.parts.learning`). Imports only `fusedpc.core`."""
 from fusedpc.core._part import ExportRecord as ExportRecord
 from fusedpc.core._part import LinearParams as LinearParams
 from fusedpc.core._part import TableParams as TableParams
+from fusedpc.parts import conv as conv
 from fusedpc.parts import frozen as frozen
 from fusedpc.parts import learning as learning
 from fusedpc.parts import transplant as transplant
@@ -24,10 +25,12 @@ from fusedpc.parts._repeat import Repeat as Repeat
 from fusedpc.parts._repeat import RepeatCache as RepeatCache
 from fusedpc.parts._repeat import RepeatState as RepeatState
 from fusedpc.parts._repeat import equivalent as equivalent
+from fusedpc.parts.conv import ConvParams as ConvParams
 from fusedpc.parts.frozen import LayerNormCache as LayerNormCache
 from fusedpc.parts.learning import EmbeddingState as EmbeddingState
 from fusedpc.parts.learning import LayerNormParams as LayerNormParams
 from fusedpc.parts.learning import LayerNormState as LayerNormState
+from fusedpc.parts.learning import LearningConv2d as LearningConv2d
 from fusedpc.parts.learning import LearningEmbedding as LearningEmbedding
 from fusedpc.parts.learning import LearningLayerNorm as LearningLayerNorm
 from fusedpc.parts.learning import LearningNetwork as LearningNetwork

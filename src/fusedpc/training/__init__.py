@@ -2,6 +2,7 @@
 progress, plots, calibration from logs, and process-level runtime settings."""
 
 from fusedpc.training import data as data
+from fusedpc.training import shapes as shapes
 from fusedpc.training._calibrate import PartCalibration as PartCalibration
 from fusedpc.training._calibrate import calibrate as calibrate
 from fusedpc.training._calibrate import format_table as format_table

@@ -1,7 +1,9 @@
-"""The learning parts: a predictive-coding network, embeddings and LayerNorm that learn
-locally through optax, and the local update rules they share."""
+"""The learning parts: a predictive-coding network, a convolution, embeddings and LayerNorm
+that learn locally through optax, and the local update rules they share."""
 
 from fusedpc.core._part import LayerNormParams as LayerNormParams
+from fusedpc.parts.learning._conv import ConvCache as ConvCache
+from fusedpc.parts.learning._conv import LearningConv2d as LearningConv2d
 from fusedpc.parts.learning._embedding import EmbeddingState as EmbeddingState
 from fusedpc.parts.learning._embedding import LayerNormState as LayerNormState
 from fusedpc.parts.learning._embedding import LearningEmbedding as LearningEmbedding
