@@ -42,6 +42,8 @@ from fusedpc.parts import ConvParams as ConvParams
 from fusedpc.parts import EmbeddingState as EmbeddingState
 from fusedpc.parts import Frozen as Frozen
 from fusedpc.parts import FrozenState as FrozenState
+from fusedpc.parts import GatedFeedForward as GatedFeedForward
+from fusedpc.parts import GatedState as GatedState
 from fusedpc.parts import LayerNormParams as LayerNormParams
 from fusedpc.parts import LayerNormState as LayerNormState
 from fusedpc.parts import LearningConv2d as LearningConv2d
@@ -49,6 +51,7 @@ from fusedpc.parts import LearningEmbedding as LearningEmbedding
 from fusedpc.parts import LearningLayerNorm as LearningLayerNorm
 from fusedpc.parts import LearningNetwork as LearningNetwork
 from fusedpc.parts import LearningNetworkState as LearningNetworkState
+from fusedpc.parts import LearningRMSNorm as LearningRMSNorm
 from fusedpc.parts import LinearParams as LinearParams
 from fusedpc.parts import MultiHeadAttention as MultiHeadAttention
 from fusedpc.parts import NetworkParams as NetworkParams

@@ -1,5 +1,5 @@
-"""Ready-made frozen parts (linear, activations, LayerNorm, softmax, embedding, convolution,
-pooling, flatten) and any
+"""Ready-made frozen parts (linear, activations, LayerNorm, RMSNorm, SwiGLU, softmax,
+embedding, convolution, pooling, flatten) and any
 function or equinox module as a frozen part (`from_function`, `from_module`); their
 implementation lives in `fusedpc.parts.frozen` and `fusedpc.parts._autodiff`."""
 
@@ -15,5 +15,7 @@ from fusedpc.parts.frozen import gelu as gelu
 from fusedpc.parts.frozen import layer_norm as layer_norm
 from fusedpc.parts.frozen import linear as linear
 from fusedpc.parts.frozen import relu as relu
+from fusedpc.parts.frozen import rms_norm as rms_norm
 from fusedpc.parts.frozen import softmax as softmax
+from fusedpc.parts.frozen import swiglu as swiglu
 from fusedpc.parts.frozen import tanh as tanh

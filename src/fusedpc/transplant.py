@@ -6,3 +6,5 @@ from fusedpc.parts.transplant import from_feedforward as from_feedforward
 from fusedpc.parts.transplant import from_layer_norm as from_layer_norm
 from fusedpc.parts.transplant import from_linear as from_linear
 from fusedpc.parts.transplant import from_linears as from_linears
+from fusedpc.parts.transplant import from_rms_norm as from_rms_norm
+from fusedpc.parts.transplant import from_swiglu as from_swiglu

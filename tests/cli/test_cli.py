@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -773,3 +774,26 @@ def test_dtype_and_mixing_flags_reach_the_model_config():
     assert part.compute_dtype == "bfloat16"
     with pytest.raises(ValueError, match="GPTConfig.compute_dtype"):
         _config.config_from_settings({"compute_dtype": "float16"}).model.validate()
+
+
+def test_architecture_flags_reach_the_model_and_the_parameter_count():
+    from fusedpc.cli._parser import build_parser
+
+    args = build_parser().parse_args(
+        ["train", "--norm", "rms", "--positions", "rotary", "--feed-forward", "swiglu"]
+    )
+    assert (args.norm, args.positions, args.feed_forward) == ("rms", "rotary", "swiglu")
+    settings = {"norm": "rms", "positions": "rotary", "feed_forward": "swiglu"}
+    config = _config.config_from_settings(settings)
+    assert all(getattr(config.model, k) == v for k, v in settings.items())
+    assert _config.config_settings(config)["positions"] == "rotary"  # written to config.toml
+    model = dataclasses.replace(config.model, vocab_size=11, width=16, n_heads=2, ff_width=16,
+                                max_len=8)
+    part, reference = fusedpc.build_gpt(model, None, jax.random.key(0))
+    assert part.position is None and "position" not in model.learning_slots()
+    counted = sum(x.size for x in jax.tree_util.tree_leaves(eqx.filter(reference, eqx.is_array)))
+    small = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, width=16, n_heads=2, ff_width=16, max_len=8))
+    assert _setup.parameter_count(small, 11) == counted  # no position table, three FF matrices
+    with pytest.raises(ValueError, match="GPTConfig.norm must be one of"):
+        _config.config_from_settings({"norm": "batch"}).model.validate()

@@ -133,3 +133,18 @@ def test_bad_arguments_name_themselves():
         PartModule(jnp.tanh, None)
     with pytest.raises(ValueError, match=r"<root>: expected input of shape \(\.\.\., 3\)"):
         frozen.linear(*linear_params(1, 3, 2))(X)
+
+
+def test_a_part_is_refused_where_a_function_is_expected():
+    # Parts are callable now; where a formula, an error function or a norm factory is
+    # expected, a part is refused by name instead of failing later on its forward.
+    part = frozen.tanh()
+    with pytest.raises(TypeError, match="error_fn: got the part Frozen"):
+        fusedpc.FusedPipeline(part, part)
+    with pytest.raises(TypeError, match=r"Frozen\(forward, backward, params\).*got a part"):
+        fusedpc.Frozen(part, lambda params, cache, error: error)
+    config = fusedpc.GPTConfig(vocab_size=11, width=8, n_heads=2, n_blocks=1, ff_width=16,
+                               max_len=4)
+    _, reference = fusedpc.build_gpt(config, None, jax.random.key(0))
+    with pytest.raises(TypeError, match="norm_parts must be a function from a reference norm"):
+        fusedpc.hybrid_from_gpt(reference, norm_parts=frozen.layer_norm(width=8))

@@ -28,6 +28,10 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
      "(jax.nn.dot_product_attention; no T x T cache, for GPUs)"),
     ("--compute-dtype", "float32, or bfloat16 (also --dtype bf16): activations and matrix "
      "products in bfloat16, weights and optimiser state float32"),
+    ("--norm", "layer (LayerNorm) or rms (RMSNorm) in every norm slot"),
+    ("--positions", "table (a learned position table) or rotary (queries and keys rotated "
+     "by position; no table)"),
+    ("--feed-forward", "gelu (linear, GELU, linear) or swiglu (a gated feed-forward)"),
     ("--optimiser", "adam, adamw or sgd"),
     ("--lr", "learning rate"),
     ("--weight-decay", "weight decay of adamw"),

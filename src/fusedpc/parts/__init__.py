@@ -21,12 +21,17 @@ from fusedpc.parts._compose import SequentialCache as SequentialCache
 from fusedpc.parts._compose import SequentialState as SequentialState
 from fusedpc.parts._frozen import Frozen as Frozen
 from fusedpc.parts._frozen import FrozenState as FrozenState
+from fusedpc.parts._gated import GatedCache as GatedCache
+from fusedpc.parts._gated import GatedFeedForward as GatedFeedForward
+from fusedpc.parts._gated import GatedState as GatedState
 from fusedpc.parts._repeat import Repeat as Repeat
 from fusedpc.parts._repeat import RepeatCache as RepeatCache
 from fusedpc.parts._repeat import RepeatState as RepeatState
 from fusedpc.parts._repeat import equivalent as equivalent
 from fusedpc.parts.conv import ConvParams as ConvParams
 from fusedpc.parts.frozen import LayerNormCache as LayerNormCache
+from fusedpc.parts.frozen import RMSNormCache as RMSNormCache
+from fusedpc.parts.frozen import RMSNormParams as RMSNormParams
 from fusedpc.parts.learning import EmbeddingState as EmbeddingState
 from fusedpc.parts.learning import LayerNormParams as LayerNormParams
 from fusedpc.parts.learning import LayerNormState as LayerNormState
@@ -35,6 +40,8 @@ from fusedpc.parts.learning import LearningEmbedding as LearningEmbedding
 from fusedpc.parts.learning import LearningLayerNorm as LearningLayerNorm
 from fusedpc.parts.learning import LearningNetwork as LearningNetwork
 from fusedpc.parts.learning import LearningNetworkState as LearningNetworkState
+from fusedpc.parts.learning import LearningRMSNorm as LearningRMSNorm
 from fusedpc.parts.learning import NetworkCache as NetworkCache
 from fusedpc.parts.learning import NetworkParams as NetworkParams
 from fusedpc.parts.learning import PCNetwork as PCNetwork
+from fusedpc.parts.learning import RMSNormState as RMSNormState

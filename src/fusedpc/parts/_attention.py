@@ -29,6 +29,7 @@ _SEPARATE = ("wq", "wk", "wv")
 _LAYOUT = "(batch, seq, features)"
 MIXINGS = ("tiles", "dot_product_attention")
 MIXING_IMPLEMENTATIONS = (None, "xla", "cudnn")
+POSITIONS = (None, "rotary")
 _CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # The first jax whose `jax.nn.dot_product_attention` takes `return_residual` (absent in 0.8.0).
 _RESIDUAL_SINCE = "0.8.1"
@@ -342,6 +343,54 @@ def causal_mix_dot_product_backward_rows(
     )
 
 
+def rotary_angles(seq_len: int, head_width: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """$\\cos\\theta$ and $\\sin\\theta$ of the rotary angles
+    $\\theta_{t,i} = t\\, b^{-2i/d}$ for positions $t < T$ = `seq_len` and pairs
+    $i < d/2$ ($d$ = `head_width`, even; $b$ = `base`), each `(T, d/2)` in float32."""
+    exponents = jnp.arange(0, head_width, 2, dtype=jnp.float32) / head_width
+    frequencies = 1.0 / (base**exponents)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * frequencies[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate_rows(
+    x: jax.Array, n_heads: int, base: float, *, inverse: bool = False
+) -> jax.Array:
+    """Rotary position embedding of rows `(B, T, H d)`: in each head, the pair of features
+    $(i, i + d/2)$ at position $t$ is rotated by $\\theta_{t,i}$ (`rotary_angles`),
+
+    $$x'_i = x_i \\cos\\theta - x_{i+d/2} \\sin\\theta, \\qquad
+    x'_{i+d/2} = x_i \\sin\\theta + x_{i+d/2} \\cos\\theta$$
+
+    (the half-split pairing of GPT-NeoX and LLaMA). `inverse=True` rotates by
+    $-\\theta$: the transpose, which is the backward of the rotation."""
+    b, t, width = x.shape
+    d = width // n_heads
+    half = d // 2
+    cos, sin = rotary_angles(t, d, base)
+    cos, sin = to_compute(cos)[:, None, :], to_compute(sin)[:, None, :]  # (T, 1, d/2)
+    if inverse:
+        sin = -sin
+    heads = x.reshape(b, t, n_heads, d)
+    first, second = heads[..., :half], heads[..., half:]
+    rotated = jnp.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+    return rotated.reshape(b, t, width)
+
+
+def _check_positions(positions: object, base: object) -> None:
+    """Refuses an unknown `positions` and a rotary base that is not a number above 1."""
+    if positions not in POSITIONS:
+        raise ValueError(
+            f"MultiHeadAttention: positions must be one of {POSITIONS} (None: the attention "
+            f"adds no positions; 'rotary': rotary position embeddings), got {positions!r}."
+        )
+    if isinstance(base, bool) or not isinstance(base, int | float) or not base > 1.0:
+        raise ValueError(
+            f"MultiHeadAttention: rotary_base must be a number > 1 (10000.0 by default), got "
+            f"{base!r}."
+        )
+
+
 def _check_mixing(mixing: object, implementation: object) -> None:
     """Refuses an unknown `mixing` or `mixing_implementation`, an implementation without the
     `"dot_product_attention"` mixing, and that mixing on a jax without `return_residual`."""
@@ -421,6 +470,15 @@ class MultiHeadAttention(AbstractPart):
     the option needs jax >= 0.8.1 (the first with `return_residual`), checked at
     construction.
 
+    **Rotary positions.** `positions="rotary"` rotates each head's queries and keys by
+    position-dependent angles after the projections and before the scores (`rotate_rows`:
+    the features $(i, i + d/2)$ of a head at position $t$ turn by
+    $\\theta_{t,i} = t\\, b^{-2i/d}$, $b$ = `rotary_base`, $d$ even), so that
+    $S_{ts}$ depends on the positions through $t - s$ only; no position table is needed.
+    Backward: the mixing's $dQ$ and $dK$ (errors at the rotated $Q$, $K$) are rotated back by
+    $-\\theta$ (the transpose of a rotation) before they reach the slots. Both mixings take
+    it; `positions=None` (the default) adds no positions.
+
     The state is an `AttentionState` with a field per slot; the metrics are the slots' metrics
     under their names in forward order (`named(wq=..., wk=..., wv=..., wo=...)`, fused
     `named(wqkv=..., wo=...)`), so report rows read `...attention.wq`. Shapes and heads are
@@ -436,6 +494,8 @@ class MultiHeadAttention(AbstractPart):
     causal_tiles: int | None = eqx.field(static=True)
     mixing: str = eqx.field(static=True)
     mixing_implementation: str | None = eqx.field(static=True)
+    positions: str | None = eqx.field(static=True)
+    rotary_base: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -448,6 +508,8 @@ class MultiHeadAttention(AbstractPart):
         causal_tiles: int | None = None,
         mixing: str = "tiles",
         mixing_implementation: str | None = None,
+        positions: str | None = None,
+        rotary_base: float = 10000.0,
     ):
         given = {"wq": wq, "wk": wk, "wv": wv}
         if wo is None:
@@ -485,6 +547,7 @@ class MultiHeadAttention(AbstractPart):
                 f"length) or an int >= 1, got {causal_tiles!r}."
             )
         _check_mixing(mixing, mixing_implementation)
+        _check_positions(positions, rotary_base)
         for name, part in {**given, "wo": wo, "wqkv": wqkv}.items():
             if part is not None:
                 check_part(part, f"MultiHeadAttention.{name}")
@@ -493,6 +556,8 @@ class MultiHeadAttention(AbstractPart):
         self.causal_tiles = causal_tiles
         self.mixing = mixing
         self.mixing_implementation = mixing_implementation
+        self.positions = positions
+        self.rotary_base = float(rotary_base)
 
     @property
     def fused(self) -> bool:
@@ -546,6 +611,7 @@ class MultiHeadAttention(AbstractPart):
         n_heads = self.n_heads
         names = self._slot_names()
         cores = {name: getattr(self, name).compile(join_path(path, name)) for name in names}
+        rotary, base = self.positions == "rotary", self.rotary_base
 
         def check_slot(name: str, y, x) -> None:
             expect_rank(join_path(path, name), y, 3, _LAYOUT, what="output")
@@ -590,6 +656,14 @@ class MultiHeadAttention(AbstractPart):
                     f"{where}: n_heads={n_heads} does not divide the width {width} of Q, K and "
                     f"V; choose n_heads dividing {width} or change the slots' output width."
                 )
+            if rotary:
+                if (width // n_heads) % 2:
+                    raise ValueError(
+                        f"{where}: positions='rotary' rotates pairs of features in each head, "
+                        f"so the head width must be even, got {width // n_heads} (width "
+                        f"{width} over n_heads={n_heads})."
+                    )
+                q, k = (rotate_rows(a, n_heads, base) for a in (q, k))
             tiles = self.causal_tiles or causal_tiles_for(q.shape[1])
             if self.mixing == "dot_product_attention":
                 b, t = q.shape[:2]
@@ -629,6 +703,8 @@ class MultiHeadAttention(AbstractPart):
                 d_q, d_k, d_v = causal_mix_backward_rows(
                     cache.q, cache.k, cache.v, cache.weights, d_context, n_heads
                 )
+            if rotary:  # errors at the rotated Q and K, rotated back (the transpose)
+                d_q, d_k = (rotate_rows(a, n_heads, base, inverse=True) for a in (d_q, d_k))
             if self.fused:
                 input_error, new_states["wqkv"], metrics["wqkv"] = cores["wqkv"].backward(
                     state.wqkv, cache.slots.wqkv, jnp.concatenate([d_q, d_k, d_v], axis=-1)

@@ -14,12 +14,24 @@ import jax
 import jax.numpy as jnp
 
 from fusedpc.core._checks import lookup_rows
-from fusedpc.core._part import LayerNormParams, LinearParams, TableParams
+from fusedpc.core._part import ExportRecord, LayerNormParams, LinearParams, TableParams
 from fusedpc.core._precision import matmul, to_compute, widened
 from fusedpc.parts._activations import get_activation
 from fusedpc.parts._frozen import Frozen
+from fusedpc.parts._gated import GatedFeedForward
 
-__all__ = ["activation", "embedding", "gelu", "layer_norm", "linear", "relu", "softmax", "tanh"]
+__all__ = [
+    "activation",
+    "embedding",
+    "gelu",
+    "layer_norm",
+    "linear",
+    "relu",
+    "rms_norm",
+    "softmax",
+    "swiglu",
+    "tanh",
+]
 
 
 def _linear_forward(params: LinearParams, x):
@@ -239,3 +251,118 @@ def embedding(embedding_or_table: eqx.nn.Embedding | jax.Array) -> Frozen:
     return Frozen(
         _embedding_forward, _embedding_backward, TableParams(table), name="embedding"
     )
+
+
+class RMSNormParams(ExportRecord):
+    """An RMSNorm's scale $y = \\gamma \\odot \\hat n + \\beta$: `weight` $\\gamma$ and
+    `bias` $\\beta$, each `(D,)` (None for no such term; `eqx.nn.RMSNorm(use_weight=...,
+    use_bias=...)`). The parameters of the frozen and the learning RMSNorm (`eps` is static
+    configuration of the part) and its export record."""
+
+    weight: jax.Array | None
+    bias: jax.Array | None
+
+
+class RMSNormCache(eqx.Module):
+    """What an RMSNorm's backward reads: `n_hat` $\\hat n$ `(..., D)` and `inv_rms` $1/r$
+    `(..., 1)`."""
+
+    n_hat: jax.Array
+    inv_rms: jax.Array
+
+
+def rms_norm_forward(params: RMSNormParams, x, eps: float):
+    """Per row: $r = \\sqrt{\\mathrm{mean}(x^2) + \\epsilon}$, $\\hat n = x / r$,
+    $y = \\gamma \\hat n + \\beta$ (`params.weight` $\\gamma$ and `params.bias` $\\beta$, each
+    `(D,)` or None; `eps` $\\epsilon$ a Python float). Returns `(y, RMSNormCache(n_hat, 1/r))`.
+    As for the LayerNorm, the statistics are taken in float32 whatever the compute dtype and
+    `y`, $\\hat n$ are held in it."""
+    x = widened(x)
+    inv_rms = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    n_hat = x * inv_rms
+    y = n_hat
+    if params.weight is not None:
+        y = y * params.weight
+    if params.bias is not None:
+        y = y + params.bias
+    return to_compute(y), RMSNormCache(to_compute(n_hat), inv_rms)
+
+
+def rms_norm_input_error(weight, cache: RMSNormCache, error):
+    """$e_s = E \\odot \\gamma$; $\\partial L/\\partial x = (e_s - \\hat n\\,
+    \\overline{e_s \\odot \\hat n}) / r$ (the bar: the mean over the features). From
+    $\\partial r / \\partial x_j = x_j / (D r)$: the LayerNorm's formula without its centring
+    term."""
+    n_hat = widened(cache.n_hat)
+    error = widened(error)
+    scaled = error if weight is None else error * weight
+    mean_en = jnp.mean(scaled * n_hat, axis=-1, keepdims=True)
+    return to_compute((scaled - n_hat * mean_en) * cache.inv_rms)
+
+
+@functools.cache
+def _rms_norm_formulas(eps: float):
+    # One function pair per eps, as for the LayerNorm: equal RMSNorms stack in a `Repeat`.
+    def forward(params: RMSNormParams, x):
+        return rms_norm_forward(params, x, eps)
+
+    def backward(params: RMSNormParams, cache, error):
+        return rms_norm_input_error(params.weight, cache, error)
+
+    forward.__name__ = "rms_norm"
+    return forward, backward
+
+
+def _norm_width(module, where: str) -> int:
+    shape = module.shape
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if len(shape) != 1:
+        raise ValueError(f"{where}: only a norm over the last axis, got shape {shape}.")
+    return int(shape[0])
+
+
+def rms_norm(
+    rms_norm_module: eqx.nn.RMSNorm | None = None,
+    *,
+    width: int | None = None,
+    eps: float = 1e-5,
+) -> Frozen:
+    """An RMSNorm over the last axis whose scale $\\gamma$ (and shift $\\beta$, if any) stays
+    fixed: $y = \\gamma \\odot x / \\sqrt{\\mathrm{mean}(x^2) + \\epsilon} + \\beta$.
+
+    From an `eqx.nn.RMSNorm` (its `weight`, `bias` and `eps`; `use_weight=False` or
+    `use_bias=False` leave that term out), or `rms_norm(width=D)` for $\\gamma = 1$ and no
+    $\\beta$. Backward (`rms_norm_input_error`): $\\partial L/\\partial x = (e_s - \\hat n\\,
+    \\overline{e_s \\odot \\hat n}) / r$ with $e_s = E \\odot \\gamma$. Its parameters are an
+    `RMSNormParams(weight, bias)`, which is also what it exports; `eps` is static. For an
+    RMSNorm whose scale learns, use `fusedpc.transplant.from_rms_norm`.
+    """
+    if rms_norm_module is not None:
+        if not isinstance(rms_norm_module, eqx.nn.RMSNorm):
+            raise TypeError(
+                f"rms_norm: expected an eqx.nn.RMSNorm, got {type(rms_norm_module).__name__}."
+            )
+        width = _norm_width(rms_norm_module, "rms_norm")
+        params = RMSNormParams(rms_norm_module.weight, rms_norm_module.bias)
+        eps = rms_norm_module.eps
+    elif width is not None:
+        params = RMSNormParams(None, None)
+    else:
+        raise TypeError("rms_norm: pass an eqx.nn.RMSNorm or width=...")
+    forward, backward = _rms_norm_formulas(float(eps))
+    return Frozen(forward, backward, params, in_width=width, name="rms_norm")
+
+
+def swiglu(
+    gate: eqx.nn.Linear | jax.Array,
+    up: eqx.nn.Linear | jax.Array,
+    down: eqx.nn.Linear | jax.Array,
+) -> GatedFeedForward:
+    """A frozen SwiGLU feed-forward $y = \\mathrm{down}(\\mathrm{silu}(\\mathrm{gate}(x))
+    \\odot \\mathrm{up}(x))$: a `GatedFeedForward` whose three slots are frozen linears.
+
+    Each of `gate` `(F, D)`, `up` `(F, D)` and `down` `(D, F)` is an `eqx.nn.Linear` (with or
+    without a bias) or a weight array (no bias). For one whose weights learn, use
+    `fusedpc.transplant.from_swiglu`.
+    """
+    return GatedFeedForward(linear(gate), linear(up), linear(down))

@@ -12,6 +12,8 @@ part's keywords: `optimiser`, `learning_kind`, `learning_kwargs`, `update_precis
 | `from_feedforward(fc1, fc2, act)` | `[in, hidden, out]` | `fc1` then `fc2`, `act` between |
 | `from_embedding(emb)` | table `(V, D)` | gather / scatter-add (`LearningEmbedding`) |
 | `from_layer_norm(ln)` | `(D,)` affine | `LearningLayerNorm` |
+| `from_rms_norm(norm)` | `(D,)` scale | `LearningRMSNorm` |
+| `from_swiglu(gate, up, down)` | three `[in, out]` | a `GatedFeedForward` of three `from_linear` |
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from typing import Any
 import equinox as eqx
 import jax.numpy as jnp
 
+from fusedpc.parts._gated import GatedFeedForward
 from fusedpc.parts.learning._embedding import LearningEmbedding, LearningLayerNorm
 from fusedpc.parts.learning._learning import LearningNetwork
 from fusedpc.parts.learning._network import PCNetwork
+from fusedpc.parts.learning._rms_norm import LearningRMSNorm
 
 _NETWORK_KEYS = ("head", "hidden_precision", "output_precision", "input_activation")
 _PART_KEYS = (
@@ -165,10 +169,60 @@ def from_layer_norm(layer_norm: eqx.nn.LayerNorm, **learning: Any) -> LearningLa
     return LearningLayerNorm(weight, bias, eps=layer_norm.eps, **learning)
 
 
+def from_rms_norm(rms_norm: eqx.nn.RMSNorm, **learning: Any) -> LearningRMSNorm:
+    """An RMSNorm whose scale learns (`optimiser`), at the module's weight, bias and eps.
+
+    An `eqx.nn.RMSNorm(use_weight=False)` starts from $\\gamma = 1$; one with
+    `use_bias=False` has no shift, and the part learns none.
+    """
+    if not isinstance(rms_norm, eqx.nn.RMSNorm):
+        raise TypeError(
+            f"from_rms_norm: expected an eqx.nn.RMSNorm, got {type(rms_norm).__name__}."
+        )
+    unknown = sorted(set(learning) - {"optimiser"})
+    if unknown:
+        raise TypeError(f"from_rms_norm: unknown keywords {unknown}; allowed: ['optimiser'].")
+    shape = rms_norm.shape
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if len(shape) != 1:
+        raise ValueError(f"from_rms_norm: only an RMSNorm over the last axis, got {shape}.")
+    weight = rms_norm.weight if rms_norm.weight is not None else jnp.ones(shape, jnp.float32)
+    return LearningRMSNorm(weight, rms_norm.bias, eps=rms_norm.eps, **learning)
+
+
+def from_swiglu(
+    gate: eqx.nn.Linear, up: eqx.nn.Linear, down: eqx.nn.Linear, **learning: Any
+) -> GatedFeedForward:
+    """A SwiGLU feed-forward $\\mathrm{down}(\\mathrm{silu}(\\mathrm{gate}(x)) \\odot
+    \\mathrm{up}(x))$ whose three linears learn, each a `from_linear(..., **learning)` (one
+    optimiser object for the three: they stack in a `Repeat` across blocks).
+
+    `gate` and `up` must map the same `in_features` to the same `out_features`, which `down`
+    takes in.
+    """
+    for name, lin in (("gate", gate), ("up", up), ("down", down)):
+        _check_linear(f"from_swiglu: {name}", lin)
+    if gate.weight.shape != up.weight.shape:
+        raise ValueError(
+            f"from_swiglu: gate and up must have the same weight shape (hidden, in), got "
+            f"{tuple(gate.weight.shape)} and {tuple(up.weight.shape)}."
+        )
+    if down.weight.shape[1] != gate.weight.shape[0]:
+        raise ValueError(
+            f"from_swiglu: down must take the gate's {gate.weight.shape[0]} out_features as its "
+            f"in_features, got {down.weight.shape[1]}."
+        )
+    return GatedFeedForward(
+        from_linear(gate, **learning), from_linear(up, **learning), from_linear(down, **learning)
+    )
+
+
 __all__ = [
     "from_embedding",
     "from_feedforward",
     "from_layer_norm",
     "from_linear",
     "from_linears",
+    "from_rms_norm",
+    "from_swiglu",
 ]

@@ -28,6 +28,7 @@ CALIBRATE_METHODS = ("none", "probe", "auto")
 MODEL_SETTINGS = (
     "width", "n_heads", "n_blocks", "ff_width", "max_len", "learn", "learning_kind", "window",
     "head_kind", "fused_qkv", "hidden_precision", "scan", "attention_mixing", "compute_dtype",
+    "norm", "positions", "feed_forward",
 )
 """The settings of `TrainConfig.model`: `GPTConfig` fields by their own names, and `window`."""
 
@@ -72,7 +73,9 @@ class TrainConfig:
             (probabilities); `fused_qkv`, `hidden_precision`, `scan`, `attention_mixing`
             (`"tiles"` or `"dot_product_attention"`) and `compute_dtype` (`"float32"` or
             `"bfloat16"`: activations and matrix products in bfloat16, weights, optimiser
-            state, norms and loss in float32) as in `GPTConfig`.
+            state, norms and loss in float32), `norm` (`"layer"` or `"rms"`), `positions`
+            (`"table"` or `"rotary"`: no position table) and `feed_forward` (`"gelu"` or
+            `"swiglu"`) as in `GPTConfig`.
         optimiser: [optimiser] `"adam"`, `"adamw"` or `"sgd"` (`make_optimiser`).
         lr: [optimiser] the learning rate.
         weight_decay: [optimiser] the weight decay (adamw).

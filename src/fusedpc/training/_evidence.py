@@ -23,7 +23,9 @@ __all__ = ["CellEvidence", "cell_evidence", "load_evidence", "suggest"]
 
 EVIDENCE_NAME = "calibration_evidence.json"
 SUGGESTED_METHOD = "probe"
-"""The method `--calibrate auto` runs, and the one `fusedpc report` suggests."""
+"""The method `fusedpc report` suggests, and the one `--calibrate auto` runs."""
+ARCHITECTURE_DEFAULTS = {"norm": "layer", "positions": "table", "feed_forward": "gelu"}
+"""The GPT options the study ran with (`GPTConfig`'s defaults)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +72,11 @@ def load_evidence() -> dict[str, Any]:
 
 def _preset(config: TrainConfig) -> str | None:
     """The study's `learn` preset a run's learning slots are, or None."""
-    slots = set(config.gpt_config(vocab_size=1).learning_slots())
-    presets = {"all": {"token", "position", "attention", "feed_forward", "norm", "head"},
-               "ff_head": {"feed_forward", "head"}}
+    model = config.gpt_config(vocab_size=1)
+    slots = set(model.learning_slots())
+    # a preset's slots as this model has them (rotary positions: no position slot)
+    presets = {name: set(dataclasses.replace(model, learn=name).learning_slots())
+               for name in ("all", "ff_head")}
     return next((name for name, s in presets.items() if s == slots), None)
 
 
@@ -96,6 +100,13 @@ def cell_evidence(
         note = (f"no study cell learns exactly the slots of learn={config.model.learn!r}; "
                 "the nearest is learn='all'")
     kind = config.model.learning_kind
+    options = {name: getattr(config.model, name) for name in ARCHITECTURE_DEFAULTS}
+    if options != ARCHITECTURE_DEFAULTS:
+        changed = ", ".join(f"{k}={v!r}" for k, v in options.items()
+                            if v != ARCHITECTURE_DEFAULTS[k])
+        note = "; ".join(filter(None, (note, (
+            f"the study ran the default architecture, not {changed}: its evidence is for "
+            "the nearest model"))))
 
     def find(m: str, k: str = kind, p: str = preset, o: str = optimiser):
         for c in cells:

@@ -3,7 +3,8 @@
 `hybrid_from_gpt` keeps every slot frozen at the reference weights unless a part is given for
 it, so the all-frozen tree reproduces the reference logits and any slot can be swapped for a
 learning part initialised at the same weights. `build_gpt` draws a reference GPT from a key
-and asks for learning parts by slot name.
+and asks for learning parts by slot name. Both follow the reference's options: LayerNorm or
+RMSNorm, a position table or rotary positions, a GELU or a SwiGLU feed-forward.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from fusedpc.parts import frozen, transplant
 from fusedpc.parts._attention import MIXINGS, MultiHeadAttention
 from fusedpc.parts._compose import Sequential
 from fusedpc.parts._repeat import Repeat
+from fusedpc.parts.frozen import RMSNormParams
 from fusedpc.parts.learning._local_update import RateMultiplier
 from fusedpc.transformer._gpt import Blocks, GPTPart, TransformerBlock
-from fusedpc.transformer.reference import GPT
+from fusedpc.transformer.reference import FEED_FORWARDS, GPT, NORMS, POSITIONS, SwiGLU
 
 # `scan="auto"` unrolls this many blocks or fewer (see `hybrid_from_gpt`).
 AUTO_UNROLL_BLOCKS = 4
@@ -73,6 +75,7 @@ def _attention_part(
     attn, given: dict | None, where: str, mixing: str = "tiles"
 ) -> MultiHeadAttention:
     given = dict(given or {})
+    options = {"mixing": mixing, "positions": attn.positions, "rotary_base": attn.rotary_base}
     unknown = sorted(set(given) - set(_ATTENTION_KEYS))
     if unknown:
         raise ValueError(
@@ -85,12 +88,34 @@ def _attention_part(
                 f"hybrid_from_gpt: {where} gives 'wqkv' together with separate wq/wk/wv; give "
                 "one or the other."
             )
-        return MultiHeadAttention(wqkv=given["wqkv"], wo=wo, n_heads=attn.n_heads,
-                                  mixing=mixing)
+        return MultiHeadAttention(wqkv=given["wqkv"], wo=wo, n_heads=attn.n_heads, **options)
     slots: dict[str, Any] = {
         name: given.get(name) or frozen.linear(getattr(attn, name)) for name in ("wq", "wk", "wv")
     }
-    return MultiHeadAttention(**slots, wo=wo, n_heads=attn.n_heads, mixing=mixing)
+    return MultiHeadAttention(**slots, wo=wo, n_heads=attn.n_heads, **options)
+
+
+def _frozen_norm(norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm) -> AbstractPart:
+    """The frozen part of a reference norm: `frozen.rms_norm` or `frozen.layer_norm`."""
+    if isinstance(norm, eqx.nn.RMSNorm):
+        return frozen.rms_norm(norm)
+    return frozen.layer_norm(norm)
+
+
+def _frozen_feed_forward(ff) -> AbstractPart:
+    """The frozen part of a reference feed-forward: a SwiGLU's `frozen.swiglu`, or linear,
+    GELU, linear."""
+    if isinstance(ff, SwiGLU):
+        return frozen.swiglu(ff.gate, ff.up, ff.down)
+    return Sequential([frozen.linear(ff.fc1), frozen.gelu(), frozen.linear(ff.fc2)])
+
+
+def _no_position_table(where: str) -> ValueError:
+    return ValueError(
+        f"{where} names the slot 'position', but this GPT has rotary positions "
+        "(positions='rotary'): there is no position table to learn or replace; drop "
+        "'position'."
+    )
 
 
 _SLOT_ARGUMENTS = {
@@ -147,7 +172,9 @@ def _learning_slots(
     parts: dict[str, Any] = {}
     if "feed_forward" in learn:
         parts["ff_parts"] = [
-            transplant.from_feedforward(
+            transplant.from_swiglu(b.ff.gate, b.ff.up, b.ff.down, **learning_for("feed_forward"))
+            if isinstance(b.ff, SwiGLU)
+            else transplant.from_feedforward(
                 b.ff.fc1, b.ff.fc2, "gelu", hidden_precision=hidden_precision,
                 **learning_for("feed_forward"),
             )
@@ -173,6 +200,8 @@ def _learning_slots(
     if "token" in learn:
         parts["token_part"] = transplant.from_embedding(gpt.tok_emb, **learning_for("token"))
     if "position" in learn:
+        if gpt.pos_emb is None:
+            raise _no_position_table("hybrid_from_gpt: learn")
         parts["position_part"] = transplant.from_embedding(
             gpt.pos_emb, **learning_for("position")
         )
@@ -180,6 +209,8 @@ def _learning_slots(
         norm_optimiser = learn["norm"]
 
         def norm_parts(ln):
+            if isinstance(ln, eqx.nn.RMSNorm):
+                return transplant.from_rms_norm(ln, optimiser=norm_optimiser)
             return transplant.from_layer_norm(ln, optimiser=norm_optimiser)
 
         parts["norm_parts"] = norm_parts
@@ -208,7 +239,14 @@ def hybrid_from_gpt(
     """A `GPTPart` at the weights of a reference `fusedpc.transformer.reference.GPT`.
 
     Every slot not given stays frozen at the reference weights (feed-forward: linear, GELU,
-    linear). Learning slots are given in one of two ways:
+    linear, or `frozen.swiglu` for a SwiGLU; norms: `frozen.layer_norm` or `frozen.rms_norm`).
+    The reference's options carry over: its RMSNorms become RMSNorm parts
+    (`transplant.from_rms_norm` where `"norm"` learns), its SwiGLUs `GatedFeedForward`s
+    (`transplant.from_swiglu`: gate, up and down learn, `hidden_precision` does not apply), and
+    with rotary positions every attention is a `MultiHeadAttention(positions="rotary")` at the
+    reference's `rotary_base` and the part has no position slot (`position=None`; naming
+    `"position"` in `learn` or passing `position_part` is an error). Learning slots are given
+    in one of two ways:
 
     * `learn={"feed_forward": optax.adam(1e-3), "head": optax.sgd(0.1)}`: one optimiser per
       slot (`"token"`, `"position"`, `"attention"`, `"feed_forward"`, `"norm"`, `"head"`);
@@ -219,7 +257,8 @@ def hybrid_from_gpt(
     * parts of your own: `ff_parts[i]` / `attention_parts[i]` (a dict with any of `"wq"`,
       `"wk"`, `"wv"`, `"wo"`, or `"wqkv"` and optionally `"wo"`) replace block i's slots;
       either may also be a callable of the block index. `norm_parts(ln)` is applied to every
-      LayerNorm (`n1`, `n2`, `norm_f`); `head_part`, `token_part`, `position_part`.
+      norm module (`n1`, `n2`, `norm_f`: `eqx.nn.LayerNorm`s, or `eqx.nn.RMSNorm`s);
+      `head_part`, `token_part`, `position_part`.
 
     `attention_mixing` is every attention's `MultiHeadAttention(mixing=...)` (`"tiles"`, or
     `"dot_product_attention"` for `jax.nn.dot_product_attention`, no T x T cache);
@@ -248,6 +287,8 @@ def hybrid_from_gpt(
         )
     n_blocks = len(gpt.blocks)
     form = blocks_form(scan, n_blocks, "hybrid_from_gpt: scan")
+    if position_part is not None and gpt.pos_emb is None:
+        raise _no_position_table("hybrid_from_gpt: position_part")
     if learn is not None:
         given: dict[str, Any] = {
             "ff_parts": ff_parts, "attention_parts": attention_parts, "head_part": head_part,
@@ -263,14 +304,19 @@ def hybrid_from_gpt(
         position_part, norm_parts = given["position_part"], given["norm_parts"]
     ffs = _per_block(ff_parts, n_blocks, "ff_parts")
     attns = _per_block(attention_parts, n_blocks, "attention_parts")
-    norm = norm_parts or frozen.layer_norm
+    if isinstance(norm_parts, AbstractPart):  # callable (its forward), but not a factory
+        raise TypeError(
+            "hybrid_from_gpt: norm_parts must be a function from a reference norm module (an "
+            "eqx.nn.LayerNorm or eqx.nn.RMSNorm) to a part, e.g. lambda ln: "
+            f"transplant.from_layer_norm(ln, optimiser=...); got the part "
+            f"{type(norm_parts).__name__}."
+        )
+    norm = norm_parts or _frozen_norm
     blocks = []
     for i, (block, ff, attn) in enumerate(zip(gpt.blocks, ffs, attns)):
         where = f"blocks[{i}]"
         if ff is None:
-            ff = Sequential(
-                [frozen.linear(block.ff.fc1), frozen.gelu(), frozen.linear(block.ff.fc2)]
-            )
+            ff = _frozen_feed_forward(block.ff)
         blocks.append(
             TransformerBlock(
                 n1=check_part(norm(block.n1), f"{where}.n1"),
@@ -301,9 +347,11 @@ def hybrid_from_gpt(
                     UserWarning,
                     stacklevel=2,
                 )
+    if gpt.pos_emb is not None:
+        position_part = position_part or frozen.embedding(gpt.pos_emb)
     return GPTPart(
         token=token_part or frozen.embedding(gpt.tok_emb),
-        position=position_part or frozen.embedding(gpt.pos_emb),
+        position=position_part,
         blocks=stacked,
         norm_f=check_part(norm(gpt.norm_f), "norm_f"),
         head=head_part or frozen.linear(gpt.head),
@@ -326,6 +374,10 @@ class GPTConfig:
     scanned beyond), `True` (always scanned) or `False` (a `Blocks` chain).
     `attention_mixing` (`"tiles"` or `"dot_product_attention"`) and `compute_dtype`
     (`"float32"`, or `"bfloat16"`, also spelt `"bf16"`) are `hybrid_from_gpt`'s too.
+    `norm` (`"layer"` or `"rms"`), `positions` (`"table"` or `"rotary"`: no position table,
+    the head width `width / n_heads` even) and `feed_forward` (`"gelu"` or `"swiglu"`) are the
+    reference GPT's options (`fusedpc.transformer.reference.GPT`); with rotary positions the
+    presets leave out `"position"` and naming it in `learn` is an error.
     """
 
     vocab_size: int = 65
@@ -343,12 +395,20 @@ class GPTConfig:
     scan: bool | str = "auto"
     attention_mixing: str = "tiles"
     compute_dtype: str = "float32"
+    norm: str = "layer"
+    positions: str = "table"
+    feed_forward: str = "gelu"
 
     def learning_slots(self) -> tuple[str, ...]:
+        """The slots that learn, in `SLOTS` order for a preset (without `"position"` under
+        rotary positions, which have no table)."""
         learn = self.learn
         if isinstance(learn, str):
             if learn in LEARNING_PRESETS:
-                return LEARNING_PRESETS[learn]
+                preset = LEARNING_PRESETS[learn]
+                if self.positions == "rotary":
+                    return tuple(slot for slot in preset if slot != "position")
+                return preset
             learn = tuple(s.strip() for s in learn.split(",") if s.strip())
         unknown = sorted(set(learn) - set(SLOTS))
         if unknown:
@@ -356,6 +416,8 @@ class GPTConfig:
                 f"GPTConfig.learn: unknown slots {unknown}; choose from {SLOTS} or a preset "
                 f"{sorted(LEARNING_PRESETS)}."
             )
+        if self.positions == "rotary" and "position" in learn:
+            raise _no_position_table(f"GPTConfig.learn={self.learn!r}")
         return tuple(learn)
 
     def validate(self) -> None:
@@ -377,6 +439,18 @@ class GPTConfig:
                 f"{self.attention_mixing!r}."
             )
         resolve_compute_dtype(self.compute_dtype, "GPTConfig.compute_dtype")
+        for name, allowed in (("norm", NORMS), ("positions", POSITIONS),
+                              ("feed_forward", FEED_FORWARDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}."
+                )
+        if self.positions == "rotary" and (self.width // self.n_heads) % 2:
+            raise ValueError(
+                f"GPTConfig: positions='rotary' rotates pairs of features in each head, so the "
+                f"head width width / n_heads must be even, got {self.width} / {self.n_heads} = "
+                f"{self.width // self.n_heads}."
+            )
         self.learning_slots()
 
     @property
@@ -412,6 +486,9 @@ def build_gpt(
         config.ff_width,
         config.max_len,
         key=key,
+        norm=config.norm,
+        positions=config.positions,
+        feed_forward=config.feed_forward,
     )
     learn = {slot: slot_optimisers.get(slot, optimiser) for slot in config.learning_slots()}
     part = hybrid_from_gpt(
@@ -447,7 +524,8 @@ def _set_linear(linear: eqx.nn.Linear, record: LinearParams) -> eqx.nn.Linear:
     return linear
 
 
-def _set_norm(norm: eqx.nn.LayerNorm, record: LayerNormParams) -> eqx.nn.LayerNorm:
+def _set_norm(norm, record: LayerNormParams | RMSNormParams):
+    """`norm` (an `eqx.nn.LayerNorm` or `eqx.nn.RMSNorm`) holding the record's arrays."""
     return eqx.tree_at(
         lambda n: (n.weight, n.bias), norm, (record.weight, record.bias),
         is_leaf=lambda x: x is None,
@@ -458,11 +536,15 @@ def to_reference(part: GPTPart, reference: GPT) -> GPT:
     """The reference equinox GPT holding a GPT part's current weights (e.g. after
     `pipeline.merge()`), for use outside fusedpc or comparison with a backprop twin.
 
-    `reference` gives the architecture (any GPT of the same sizes). Every slot is read through
-    `AbstractPart.export_arrays`: the embeddings as one `TableParams` each, each LayerNorm as one
-    `LayerNormParams`, the attention as four `LinearParams` (Q, K, V, output), the feed-forward
-    as two (`fc1`, `fc2`) and the head as one; so a part type of your own in any slot exports
-    by implementing that method. A slot that cannot raises a `TypeError` naming its path.
+    `reference` gives the architecture (any GPT of the same sizes and options). Every slot is
+    read through `AbstractPart.export_arrays`: the embeddings as one `TableParams` each (no
+    position table under rotary positions), each LayerNorm as one `LayerNormParams` (an
+    RMSNorm: one `RMSNormParams`), the attention as four `LinearParams` (Q, K, V, output), the
+    feed-forward as two (`fc1`, `fc2`; a SwiGLU: three, `gate`, `up`, `down`) and the head as
+    one; so a part type of your own in any slot exports by implementing that method. A slot
+    that cannot raises a `TypeError` naming its path; a part whose options differ from the
+    reference's (a position table or not, a `MultiHeadAttention`'s `positions`) a
+    `ValueError`.
     """
     # every child of a GPT part's blocks is a transformer block
     blocks = [cast(TransformerBlock, block) for _, block in part.blocks.children()]
@@ -471,29 +553,54 @@ def to_reference(part: GPTPart, reference: GPT) -> GPT:
             f"to_reference: the part has {len(blocks)} blocks, the reference GPT "
             f"{len(reference.blocks)}; pass a reference of the same sizes."
         )
+    if (part.position is None) != (reference.pos_emb is None):
+        has = "has no" if part.position is None else "has a"
+        raise ValueError(
+            f"to_reference: the part {has} position table but the reference GPT has "
+            f"positions={reference.positions!r}; pass a reference built with the part's options."
+        )
     model = reference
     (token,) = _records(part.token, "token", TableParams, 1)
-    (position,) = _records(part.position, "position", TableParams, 1)
     model = eqx.tree_at(lambda m: m.tok_emb.weight, model, token.table)
-    model = eqx.tree_at(lambda m: m.pos_emb.weight, model, position.table)
+    if part.position is not None:
+        (position,) = _records(part.position, "position", TableParams, 1)
+        model = eqx.tree_at(lambda m: m.pos_emb.weight, model, position.table)
+    norm_record = RMSNormParams if isinstance(model.norm_f, eqx.nn.RMSNorm) else LayerNormParams
     new_blocks = []
     for i, (block, ref) in enumerate(zip(blocks, model.blocks)):
         where = f"blocks[{i}]"
-        projections = _records(block.attention, f"{where}.attention", LinearParams, 4)
+        attention = block.attention
+        if isinstance(attention, MultiHeadAttention) and (
+            attention.positions != ref.attn.positions
+        ):
+            raise ValueError(
+                f"to_reference: {where}.attention has positions={attention.positions!r} but the "
+                f"reference's attention positions={ref.attn.positions!r}; pass a reference "
+                "built with the part's options."
+            )
+        projections = _records(attention, f"{where}.attention", LinearParams, 4)
         new_attn = ref.attn
         for name, record in zip(("wq", "wk", "wv", "wo"), projections):
             new_attn = eqx.tree_at(lambda a, n=name: getattr(a, n), new_attn,  # type: ignore[misc]
                                    _set_linear(getattr(new_attn, name), record))
-        fc1, fc2 = _records(block.feed_forward, f"{where}.feed_forward", LinearParams, 2)
-        ff = eqx.tree_at(lambda f: (f.fc1, f.fc2), ref.ff,
-                         (_set_linear(ref.ff.fc1, fc1), _set_linear(ref.ff.fc2, fc2)))
-        (n1,) = _records(block.n1, f"{where}.n1", LayerNormParams, 1)
-        (n2,) = _records(block.n2, f"{where}.n2", LayerNormParams, 1)
+        ff: Any
+        if isinstance(ref.ff, SwiGLU):
+            gate, up, down = _records(block.feed_forward, f"{where}.feed_forward",
+                                      LinearParams, 3)
+            ff = eqx.tree_at(lambda f: (f.gate, f.up, f.down), ref.ff,
+                             (_set_linear(ref.ff.gate, gate), _set_linear(ref.ff.up, up),
+                              _set_linear(ref.ff.down, down)))
+        else:
+            fc1, fc2 = _records(block.feed_forward, f"{where}.feed_forward", LinearParams, 2)
+            ff = eqx.tree_at(lambda f: (f.fc1, f.fc2), ref.ff,
+                             (_set_linear(ref.ff.fc1, fc1), _set_linear(ref.ff.fc2, fc2)))
+        (n1,) = _records(block.n1, f"{where}.n1", norm_record, 1)
+        (n2,) = _records(block.n2, f"{where}.n2", norm_record, 1)
         new_blocks.append(eqx.tree_at(lambda b: (b.attn, b.ff, b.n1, b.n2), ref,
                                       (new_attn, ff, _set_norm(ref.n1, n1),
                                        _set_norm(ref.n2, n2))))
     model = eqx.tree_at(lambda m: m.blocks, model, tuple(new_blocks))
-    (norm_f,) = _records(part.norm_f, "norm_f", LayerNormParams, 1)
+    (norm_f,) = _records(part.norm_f, "norm_f", norm_record, 1)
     model = eqx.tree_at(lambda m: m.norm_f, model, _set_norm(model.norm_f, norm_f))
     (head,) = _records(part.head, "head", LinearParams, 1)
     return eqx.tree_at(lambda m: m.head, model, _set_linear(model.head, head))

@@ -9,6 +9,9 @@ junction adds its two messages; the token table learns from the error at the emb
 output row by row, and the position table from its **batch mean** $\\frac1B\\sum_b E_{b,t}$, so
 that its own $1/T$ row mean times the $1/B$ reproduces the $1/(BT)$ loss average. The GPT
 part's input error is the error at the embedding output, `(batch, seq, width)`.
+
+A GPT whose attentions rotate their queries and keys (rotary positions) has no position
+table: `position=None`, $h_0 = T[\\mathrm{ids}]$, and its state's `position` field is None.
 """
 
 from __future__ import annotations
@@ -175,7 +178,8 @@ class Blocks(AbstractPart):
 
 
 class GPTState(eqx.Module):
-    """State of a `GPTPart`: one field per slot (`blocks` is the blocks part's state)."""
+    """State of a `GPTPart`: one field per slot (`blocks` is the blocks part's state;
+    `position` is None for a GPT without a position table)."""
 
     token: PyTree
     position: PyTree
@@ -200,7 +204,10 @@ class GPTPart(AbstractPart):
     Args:
         token: a part mapping ids `(B, T)` to `(B, T, D)` (`frozen.embedding(table)` or a
             `LearningEmbedding`).
-        position: the same for positions `0..T-1` (`(T,)` ids to `(T, D)`).
+        position: the same for positions `0..T-1` (`(T,)` ids to `(T, D)`), or None for no
+            position table (the attentions carry the positions, e.g.
+            `MultiHeadAttention(positions="rotary")`); the GPT's children, state, metrics and
+            report then have no `position`.
         blocks: the blocks as one part: a `Repeat` of `TransformerBlock`s (stacked state,
             scanned or unrolled) or a `Blocks` chain (for blocks that differ). A tuple or list
             of blocks is wrapped in a `Blocks`.
@@ -214,7 +221,7 @@ class GPTPart(AbstractPart):
     """
 
     token: AbstractPart
-    position: AbstractPart
+    position: AbstractPart | None
     blocks: AbstractPart
     norm_f: AbstractPart
     head: AbstractPart
@@ -226,7 +233,7 @@ class GPTPart(AbstractPart):
     def __init__(self, token, position, blocks, norm_f, head, *, vocab_size, max_len,
                  output="logits", compute_dtype=None):
         self.token = check_part(token, "GPTPart.token")
-        self.position = check_part(position, "GPTPart.position")
+        self.position = None if position is None else check_part(position, "GPTPart.position")
         if isinstance(blocks, list | tuple):
             blocks = Blocks(blocks)
         self.blocks = check_part(blocks, "GPTPart.blocks")
@@ -241,11 +248,18 @@ class GPTPart(AbstractPart):
         self.output = output
         self.compute_dtype = resolve_compute_dtype(compute_dtype, "GPTPart: compute_dtype")
 
+    def _slot_names(self) -> tuple[str, ...]:
+        if self.position is None:
+            return tuple(name for name in _GPT_SLOTS if name != "position")
+        return _GPT_SLOTS
+
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
-        return tuple((name, getattr(self, name)) for name in _GPT_SLOTS)
+        """The slots in forward order: `token`, `position` (absent without a position
+        table), `blocks`, `norm_f`, `head`."""
+        return tuple((name, getattr(self, name)) for name in self._slot_names())
 
     def replace_children(self, children: Sequence[AbstractPart]) -> GPTPart:
-        return replace_fields(self, **dict(zip(_GPT_SLOTS, children, strict=True)))
+        return replace_fields(self, **dict(zip(self._slot_names(), children, strict=True)))
 
     def validate_input(self, x: Any, path: str) -> None:
         """The host check of what a trace cannot see: the ids' values lie in the vocabulary.
@@ -268,7 +282,7 @@ class GPTPart(AbstractPart):
         keys = jax.random.split(key, 5)
         return GPTState(
             self.token.init_state(keys[0]),
-            self.position.init_state(keys[1]),
+            None if self.position is None else self.position.init_state(keys[1]),
             self.blocks.init_state(keys[2]),
             self.norm_f.init_state(keys[3]),
             self.head.init_state(keys[4]),
@@ -276,7 +290,9 @@ class GPTPart(AbstractPart):
 
     def compile(self, path: str) -> Core:
         token = self.token.compile(join_path(path, "token"))
-        position = self.position.compile(join_path(path, "position"))
+        position = None if self.position is None else self.position.compile(
+            join_path(path, "position")
+        )
         blocks = self.blocks.compile(join_path(path, "blocks"))
         norm_f = self.norm_f.compile(join_path(path, "norm_f"))
         head = self.head.compile(join_path(path, "head"))
@@ -304,13 +320,17 @@ class GPTPart(AbstractPart):
                 )
             seq = ids.shape[1]
             if seq > self.max_len:
+                limit = (f"the position table's {self.max_len} positions" if position
+                         is not None else f"the GPT's max_len of {self.max_len}")
                 raise ValueError(
-                    f"{display_path(path)}: sequence length {seq} exceeds the position table's "
-                    f"{self.max_len} positions; use sequences of at most {self.max_len}."
+                    f"{display_path(path)}: sequence length {seq} exceeds {limit}; use "
+                    f"sequences of at most {self.max_len}."
                 )
             tok, c_tok = token.forward(state.token, ids)
-            pos, c_pos = position.forward(state.position, jnp.arange(seq, dtype=jnp.int32))
-            h = tok + pos[None]
+            h, c_pos = tok, None
+            if position is not None:
+                pos, c_pos = position.forward(state.position, jnp.arange(seq, dtype=jnp.int32))
+                h = tok + pos[None]
             h, c_blocks = blocks.forward(state.blocks, h)
             h, c_norm = norm_f.forward(state.norm_f, h)
             out, c_head = head.forward(state.head, h)
@@ -321,6 +341,9 @@ class GPTPart(AbstractPart):
             e, s_norm, m_norm = norm_f.backward(state.norm_f, cache.norm_f, e)
             e, s_blocks, m_blocks = blocks.backward(state.blocks, cache.blocks, e)
             _, s_tok, m_tok = token.backward(state.token, cache.token, e)
+            if position is None:
+                metrics = named(token=m_tok, blocks=m_blocks, norm_f=m_norm, head=m_head)
+                return e, GPTState(s_tok, None, s_blocks, s_norm, s_head), metrics
             _, s_pos, m_pos = position.backward(
                 state.position, cache.position, jnp.mean(widened(e), axis=0)
             )
@@ -333,7 +356,7 @@ class GPTPart(AbstractPart):
             return replace_fields(
                 self,
                 token=token.write_back(state.token),
-                position=position.write_back(state.position),
+                position=None if position is None else position.write_back(state.position),
                 blocks=blocks.write_back(state.blocks),
                 norm_f=norm_f.write_back(state.norm_f),
                 head=head.write_back(state.head),

@@ -2,7 +2,9 @@
 
 This is the "backprop twin" against which the predictive-coding models are compared in
 tests and benchmarks: a small pre-norm decoder-only transformer with learned absolute
-positional embeddings.
+positional embeddings, or, by option, the modern pieces: RMSNorm (``norm="rms"``), rotary
+position embeddings inside attention (``positions="rotary"``, no position table) and a SwiGLU
+feed-forward (``feed_forward="swiglu"``).
 
 Notation used throughout: ``B`` batch size, ``T`` sequence length, ``W`` model width,
 ``H`` number of heads, ``d = W / H`` head width, ``F`` feed-forward width, ``V`` vocabulary
@@ -35,10 +37,14 @@ Array = jax.Array
 PyTree = Any
 
 __all__ = [
+    "FEED_FORWARDS",
     "GPT",
+    "NORMS",
+    "POSITIONS",
     "Block",
     "CausalSelfAttention",
     "FeedForward",
+    "SwiGLU",
     "count_flops",
     "cross_entropy",
     "make_backprop_step",
@@ -48,6 +54,14 @@ __all__ = [
 # initial logits are small and the initial loss is close to log(V).
 _HEAD_INIT_SCALE = 0.1
 
+NORMS = ("layer", "rms")
+"""`GPT(norm=...)`: ``"layer"`` (`eqx.nn.LayerNorm`) or ``"rms"`` (`eqx.nn.RMSNorm`, no bias)."""
+POSITIONS = ("table", "rotary")
+"""`GPT(positions=...)`: ``"table"`` (a learned position table) or ``"rotary"`` (rotary
+embeddings of the queries and keys inside every attention, no table)."""
+FEED_FORWARDS = ("gelu", "swiglu")
+"""`GPT(feed_forward=...)`: ``"gelu"`` (`FeedForward`) or ``"swiglu"`` (`SwiGLU`)."""
+
 
 def _linear(lin: eqx.nn.Linear, x: Array) -> Array:
     """Apply ``lin`` over the last axis of ``x``: ``y = x W^T + b``."""
@@ -55,6 +69,61 @@ def _linear(lin: eqx.nn.Linear, x: Array) -> Array:
     if lin.bias is not None:
         y = y + lin.bias
     return y
+
+
+def _check_option(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"GPT: {name} must be one of {allowed}, got {value!r}.")
+
+
+def _rms_norm(norm: eqx.nn.RMSNorm, x: Array) -> Array:
+    """Apply ``norm`` over the last axis of ``x``, matching ``eqx.nn.RMSNorm`` exactly.
+
+    ``y = x / sqrt(mean(x^2) + eps) * gamma + beta`` (``gamma``, ``beta`` when present), the
+    mean taken over the last axis, in at least float32.
+    """
+    if norm.shape != x.shape[-1:]:
+        raise ValueError(
+            f"RMSNorm of shape {norm.shape} cannot act on an array of shape {x.shape}"
+        )
+    dtype = x.dtype
+    if jnp.finfo(dtype).bits < 32:  # statistics in at least float32
+        x = x.astype(jnp.float32)
+    out = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm.eps)
+    if norm.weight is not None:
+        out = norm.weight.astype(out.dtype) * out
+    if norm.bias is not None:
+        out = out + norm.bias.astype(out.dtype)
+    return out.astype(dtype)
+
+
+def _norm(norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm, x: Array) -> Array:
+    """`_layer_norm` or `_rms_norm`, by the type of ``norm``."""
+    if isinstance(norm, eqx.nn.RMSNorm):
+        return _rms_norm(norm, x)
+    return _layer_norm(norm, x)
+
+
+def _make_norm(norm: str, width: int) -> eqx.nn.LayerNorm | eqx.nn.RMSNorm:
+    if norm == "rms":
+        return eqx.nn.RMSNorm(width, use_bias=False)
+    return eqx.nn.LayerNorm(width)
+
+
+def _rotate(x: Array, base: float) -> Array:
+    """Rotary embedding of heads ``(B, H, T, d)``: at position ``t`` the features ``i`` and
+    ``i + d/2`` (``i < d/2``) turn by ``theta = t * base**(-2 i / d)``::
+
+        x_i' = x_i cos(theta) - x_{i+d/2} sin(theta)
+        x_{i+d/2}' = x_i sin(theta) + x_{i+d/2} cos(theta)
+    """
+    t, d = x.shape[-2], x.shape[-1]
+    half = d // 2
+    frequencies = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * frequencies[None, :]  # (T, d/2)
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
 
 
 def _layer_norm(ln: eqx.nn.LayerNorm, x: Array) -> Array:
@@ -93,7 +162,9 @@ class CausalSelfAttention(eqx.Module):
         c = A v                                                        (B, H, T, d)
 
     The heads are concatenated back in the same order to ``(B, T, W)`` and the output is
-    ``c Wo^T + bo``.
+    ``c Wo^T + bo``. With ``positions="rotary"`` each head's ``q`` and ``k`` are rotated by
+    their positions before the scores (`_rotate`, base ``rotary_base``; ``d`` even); with
+    ``positions=None`` (the default) the attention adds no positions.
     """
 
     wq: eqx.nn.Linear
@@ -101,10 +172,31 @@ class CausalSelfAttention(eqx.Module):
     wv: eqx.nn.Linear
     wo: eqx.nn.Linear
     n_heads: int = eqx.field(static=True)
+    positions: str | None = eqx.field(static=True, default=None)
+    rotary_base: float = eqx.field(static=True, default=10000.0)
 
-    def __init__(self, width: int, n_heads: int, *, key: Array):
+    def __init__(
+        self,
+        width: int,
+        n_heads: int,
+        *,
+        key: Array,
+        positions: str | None = None,
+        rotary_base: float = 10000.0,
+    ):
         if n_heads < 1 or width % n_heads != 0:
             raise ValueError(f"width ({width}) must be divisible by n_heads ({n_heads})")
+        if positions not in (None, "rotary"):
+            raise ValueError(
+                f"CausalSelfAttention: positions must be None or 'rotary', got {positions!r}."
+            )
+        if positions == "rotary" and (width // n_heads) % 2:
+            raise ValueError(
+                f"CausalSelfAttention: rotary positions need an even head width, got "
+                f"{width // n_heads} (width {width} over n_heads={n_heads})."
+            )
+        self.positions = positions
+        self.rotary_base = float(rotary_base)
         kq, kk, kv, ko = jr.split(key, 4)
         self.wq = eqx.nn.Linear(width, width, use_bias=True, key=kq)
         self.wk = eqx.nn.Linear(width, width, use_bias=True, key=kk)
@@ -125,6 +217,8 @@ class CausalSelfAttention(eqx.Module):
         q = split_heads(_linear(self.wq, x))
         k = split_heads(_linear(self.wk, x))
         v = split_heads(_linear(self.wv, x))
+        if self.positions == "rotary":
+            q, k = _rotate(q, self.rotary_base), _rotate(k, self.rotary_base)
         # scores and softmax in float32 whatever the dtype of q and k
         scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(d)
@@ -157,29 +251,73 @@ class FeedForward(eqx.Module):
         return _linear(self.fc2, jax.nn.gelu(_linear(self.fc1, x), approximate=True))
 
 
+class SwiGLU(eqx.Module):
+    """Gated position-wise MLP: ``y = (silu(x Wg^T) * (x Wu^T)) Wd^T``, no biases.
+
+    ``x`` has shape ``(B, T, W)``; the gate ``x Wg^T`` and the up projection ``x Wu^T`` are
+    ``(B, T, F)``; ``silu(g) = g sigmoid(g)``. Three matrices where `FeedForward` has two.
+    """
+
+    gate: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, width: int, ff_width: int, *, key: Array):
+        kg, ku, kd = jr.split(key, 3)
+        self.gate = eqx.nn.Linear(width, ff_width, use_bias=False, key=kg)
+        self.up = eqx.nn.Linear(width, ff_width, use_bias=False, key=ku)
+        self.down = eqx.nn.Linear(ff_width, width, use_bias=False, key=kd)
+
+    def __call__(
+        self, x: Float[Array, "*rows width"]  # noqa: F722 - a jaxtyping shape
+    ) -> Float[Array, "*rows width"]:  # noqa: F722 - a jaxtyping shape
+        return _linear(self.down, jax.nn.silu(_linear(self.gate, x)) * _linear(self.up, x))
+
+
 class Block(eqx.Module):
     """Pre-norm transformer block.
 
-    ``h <- h + attn(LN1(h))`` followed by ``h <- h + ff(LN2(h))``, on ``(B, T, W)``.
+    ``h <- h + attn(N1(h))`` followed by ``h <- h + ff(N2(h))``, on ``(B, T, W)``; the norms
+    are LayerNorms (``norm="layer"``) or RMSNorms (``"rms"``), the feed-forward a `FeedForward`
+    (``feed_forward="gelu"``) or a `SwiGLU` (``"swiglu"``), and the attention rotates its
+    queries and keys with ``positions="rotary"``.
     """
 
     attn: CausalSelfAttention
-    ff: FeedForward
-    n1: eqx.nn.LayerNorm
-    n2: eqx.nn.LayerNorm
+    ff: FeedForward | SwiGLU
+    n1: eqx.nn.LayerNorm | eqx.nn.RMSNorm
+    n2: eqx.nn.LayerNorm | eqx.nn.RMSNorm
 
-    def __init__(self, width: int, n_heads: int, ff_width: int, *, key: Array):
+    def __init__(
+        self,
+        width: int,
+        n_heads: int,
+        ff_width: int,
+        *,
+        key: Array,
+        norm: str = "layer",
+        positions: str | None = None,
+        feed_forward: str = "gelu",
+        rotary_base: float = 10000.0,
+    ):
+        _check_option("norm", norm, NORMS)
+        _check_option("feed_forward", feed_forward, FEED_FORWARDS)
         ka, kf = jr.split(key)
-        self.attn = CausalSelfAttention(width, n_heads, key=ka)
-        self.ff = FeedForward(width, ff_width, key=kf)
-        self.n1 = eqx.nn.LayerNorm(width)
-        self.n2 = eqx.nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(
+            width, n_heads, key=ka, positions=positions, rotary_base=rotary_base
+        )
+        if feed_forward == "swiglu":
+            self.ff = SwiGLU(width, ff_width, key=kf)
+        else:
+            self.ff = FeedForward(width, ff_width, key=kf)
+        self.n1 = _make_norm(norm, width)
+        self.n2 = _make_norm(norm, width)
 
     def __call__(
         self, h: Float[Array, "batch seq width"]  # noqa: F722 - a jaxtyping shape
     ) -> Float[Array, "batch seq width"]:  # noqa: F722 - a jaxtyping shape
-        h = h + self.attn(_layer_norm(self.n1, h))
-        return h + self.ff(_layer_norm(self.n2, h))
+        h = h + self.attn(_norm(self.n1, h))
+        return h + self.ff(_norm(self.n2, h))
 
 
 class GPT(eqx.Module):
@@ -190,6 +328,9 @@ class GPT(eqx.Module):
         h_0 = E_tok[ids] + E_pos[0..T-1]                               (B, T, W)
         h_l = Block_l(h_{l-1}),  l = 1..L
         logits = LN_f(h_L) Wh^T + bh                                   (B, T, V)
+
+    With ``positions="rotary"`` there is no position table (``pos_emb`` is None and
+    ``h_0 = E_tok[ids]``): every attention rotates its queries and keys instead.
 
     Initialisation is Equinox's default for every layer (embeddings ``N(0, 1)``, linear
     weights and biases ``U(-1/sqrt(n_in), 1/sqrt(n_in))``, LayerNorm ``gamma = 1``,
@@ -204,13 +345,24 @@ class GPT(eqx.Module):
         ff_width: ``F``, the hidden width of each feed-forward layer.
         max_len: the largest sequence length accepted (rows of the positional embedding).
         key: PRNG key for initialisation.
+        norm: ``"layer"`` (LayerNorms, the default) or ``"rms"`` (`eqx.nn.RMSNorm` without
+            bias, ``gamma = 1``) for ``n1``, ``n2`` and ``norm_f``.
+        positions: ``"table"`` (a learned ``(max_len, W)`` table, the default) or
+            ``"rotary"`` (rotary embeddings inside every attention, base `rotary_base`; the
+            head width ``W / H`` must be even).
+        feed_forward: ``"gelu"`` (`FeedForward`, the default) or ``"swiglu"`` (`SwiGLU`).
+        rotary_base: ``b`` of the rotary angles ``t * b**(-2 i / d)``.
+
+    The defaults draw exactly the model (and the random numbers) of a GPT without options.
     """
 
     tok_emb: eqx.nn.Embedding
-    pos_emb: eqx.nn.Embedding
+    pos_emb: eqx.nn.Embedding | None
     blocks: tuple[Block, ...]
-    norm_f: eqx.nn.LayerNorm
+    norm_f: eqx.nn.LayerNorm | eqx.nn.RMSNorm
     head: eqx.nn.Linear
+    max_len: int = eqx.field(static=True)
+    positions: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -222,9 +374,21 @@ class GPT(eqx.Module):
         max_len: int,
         *,
         key: Array,
+        norm: str = "layer",
+        positions: str = "table",
+        feed_forward: str = "gelu",
+        rotary_base: float = 10000.0,
     ):
         if n_heads < 1 or width % n_heads != 0:
             raise ValueError(f"width ({width}) must be divisible by n_heads ({n_heads})")
+        _check_option("norm", norm, NORMS)
+        _check_option("positions", positions, POSITIONS)
+        _check_option("feed_forward", feed_forward, FEED_FORWARDS)
+        if positions == "rotary" and (width // n_heads) % 2:
+            raise ValueError(
+                f"GPT: positions='rotary' needs an even head width, got {width // n_heads} "
+                f"(width {width} over n_heads={n_heads})."
+            )
         for name, value in [
             ("vocab_size", vocab_size),
             ("width", width),
@@ -236,11 +400,18 @@ class GPT(eqx.Module):
                 raise ValueError(f"{name} must be positive, got {value}")
         k_tok, k_pos, k_blocks, k_head = jr.split(key, 4)
         self.tok_emb = eqx.nn.Embedding(vocab_size, width, key=k_tok)
-        self.pos_emb = eqx.nn.Embedding(max_len, width, key=k_pos)
-        self.blocks = tuple(
-            Block(width, n_heads, ff_width, key=k) for k in jr.split(k_blocks, n_blocks)
+        self.pos_emb = (
+            eqx.nn.Embedding(max_len, width, key=k_pos) if positions == "table" else None
         )
-        self.norm_f = eqx.nn.LayerNorm(width)
+        self.max_len = int(max_len)
+        self.positions = positions
+        attention_positions = "rotary" if positions == "rotary" else None
+        self.blocks = tuple(
+            Block(width, n_heads, ff_width, key=k, norm=norm, positions=attention_positions,
+                  feed_forward=feed_forward, rotary_base=rotary_base)
+            for k in jr.split(k_blocks, n_blocks)
+        )
+        self.norm_f = _make_norm(norm, width)
         head = eqx.nn.Linear(width, vocab_size, use_bias=True, key=k_head)
         self.head = eqx.tree_at(
             lambda lin: (lin.weight, lin.bias),
@@ -248,11 +419,6 @@ class GPT(eqx.Module):
             # use_bias=True: the head has a bias
             (head.weight * _HEAD_INIT_SCALE, head.bias * _HEAD_INIT_SCALE),  # type: ignore[operator]
         )
-
-    @property
-    def max_len(self) -> int:
-        """Largest sequence length accepted."""
-        return self.pos_emb.num_embeddings
 
     @property
     def vocab_size(self) -> int:
@@ -268,10 +434,12 @@ class GPT(eqx.Module):
         seq = ids.shape[1]
         if seq > self.max_len:
             raise ValueError(f"sequence length {seq} exceeds max_len {self.max_len}")
-        h = self.tok_emb.weight[ids] + self.pos_emb.weight[:seq]
+        h = self.tok_emb.weight[ids]
+        if self.pos_emb is not None:
+            h = h + self.pos_emb.weight[:seq]
         for block in self.blocks:
             h = block(h)
-        return _linear(self.head, _layer_norm(self.norm_f, h))
+        return _linear(self.head, _norm(self.norm_f, h))
 
 
 def cross_entropy(
@@ -290,14 +458,18 @@ def cross_entropy(
     return softmax_cross_entropy.loss(logits, targets)  # type: ignore[misc]  # it has a loss
 
 
+_NORM_TYPES = (eqx.nn.LayerNorm, eqx.nn.RMSNorm)
+
+
 def _layer_norm_spec(model: PyTree) -> PyTree:
-    """Bool pytree matching ``model``: True at the affine parameters of every LayerNorm."""
+    """Bool pytree matching ``model``: True at the affine parameters of every LayerNorm and
+    RMSNorm."""
 
     def label(node):
-        frozen = isinstance(node, eqx.nn.LayerNorm)
+        frozen = isinstance(node, _NORM_TYPES)
         return jax.tree.map(lambda _: frozen, node)
 
-    return jax.tree.map(label, model, is_leaf=lambda x: isinstance(x, eqx.nn.LayerNorm))
+    return jax.tree.map(label, model, is_leaf=lambda x: isinstance(x, _NORM_TYPES))
 
 
 def _is_none(x) -> bool:
@@ -321,9 +493,11 @@ def make_backprop_step(
     must not be used again afterwards; `ids` and `targets` (shape ``(B, T)``) are not
     donated.
 
-    With ``frozen_layer_norm=True`` every LayerNorm affine parameter (``gamma`` and
-    ``beta`` of ``n1``, ``n2`` and ``norm_f``) is left exactly as it was, whatever the
-    optimiser (including Adam with weight decay): its gradient is zeroed before the
+    Any `GPT` works, whatever its ``norm``, ``positions`` and ``feed_forward``.
+
+    With ``frozen_layer_norm=True`` every norm's affine parameter (``gamma`` and ``beta``
+    of ``n1``, ``n2`` and ``norm_f``, LayerNorms or RMSNorms) is left exactly as it was,
+    whatever the optimiser (including Adam with weight decay): its gradient is zeroed before the
     optimiser sees it, so moments and global-norm clipping ignore it, and its update is
     dropped, so the parameter is returned bit-for-bit unchanged.
 
@@ -382,6 +556,8 @@ def count_flops(
     ff_width: int,
     seq: int,
     batch: int,
+    *,
+    feed_forward: str = "gelu",
 ) -> int:
     """Analytic FLOP count of one backprop training step of `GPT`.
 
@@ -390,12 +566,15 @@ def count_flops(
     tokens, the forward pass costs::
 
         per block:  projections  4 * 2 N W^2    (q, k, v, o)
-                    feed-forward 2 * 2 N W F    (fc1, fc2)
+                    feed-forward 2 * 2 N W F    (fc1, fc2; feed_forward="swiglu":
+                                 3 * 2 N W F     gate, up, down)
                     attention    2 * 2 B T^2 W  (q k^T scores and A v mix, all heads)
         head:                    2 N W V
 
         forward = L (8 N W^2 + 4 N W F + 4 B T^2 W) + 2 N W V
 
+    (``4 N W F`` becomes ``6 N W F`` for a SwiGLU). The rotary rotation and the norms
+    (LayerNorm or RMSNorm) are elementwise and not counted.
     The causal mask is not exploited (dense implementations compute the full ``T x T``
     score matrix), and ``n_heads`` does not change the count (the heads partition ``W``).
     The backward pass costs about twice the forward (one product for the gradient with
@@ -404,7 +583,11 @@ def count_flops(
         step = 3 * forward
     """
     del n_heads
+    _check_option("feed_forward", feed_forward, FEED_FORWARDS)
+    ff_matrices = 3 if feed_forward == "swiglu" else 2
     n = batch * seq
-    per_block = 8 * n * width**2 + 4 * n * width * ff_width + 4 * batch * seq**2 * width
+    per_block = (
+        8 * n * width**2 + 2 * ff_matrices * n * width * ff_width + 4 * batch * seq**2 * width
+    )
     forward = n_blocks * per_block + 2 * n * width * vocab
     return 3 * forward

@@ -1,5 +1,5 @@
-"""The learning parts: a predictive-coding network, a convolution, embeddings and LayerNorm
-that learn locally through optax, and the local update rules they share."""
+"""The learning parts: a predictive-coding network, a convolution, embeddings, LayerNorm and
+RMSNorm that learn locally through optax, and the local update rules they share."""
 
 from fusedpc.core._part import LayerNormParams as LayerNormParams
 from fusedpc.parts.learning._conv import ConvCache as ConvCache
@@ -15,3 +15,5 @@ from fusedpc.parts.learning._learning import NetworkParams as NetworkParams
 from fusedpc.parts.learning._local_update import LEARNING_KINDS as LEARNING_KINDS
 from fusedpc.parts.learning._local_update import SynapticSettings as SynapticSettings
 from fusedpc.parts.learning._network import PCNetwork as PCNetwork
+from fusedpc.parts.learning._rms_norm import LearningRMSNorm as LearningRMSNorm
+from fusedpc.parts.learning._rms_norm import RMSNormState as RMSNormState
