@@ -176,6 +176,26 @@ class LearningEmbedding(AbstractPart):
         return Core(forward, backward, write_back)
 
 
+def norm_affine_step(
+    optimiser: Any, params: Any, opt_state: Any, error: jax.Array, n_hat: jax.Array,
+) -> tuple[Any, Any]:
+    """The local step of a norm's affine $y = \\gamma \\odot \\hat n + \\beta$ (a LayerNorm's
+    or an RMSNorm's): the row means $\\bar G_\\gamma = \\mathrm{mean}_r E_r \\odot \\hat n_r$ and
+    $\\bar G_\\beta = \\mathrm{mean}_r E_r$ (in float32; $\\beta$'s only where `params.bias` is
+    not None) through `optimiser` (None: no step). `params` is a record with `weight` and
+    `bias` fields, rebuilt with `params.__class__`. Returns `(params, opt_state)`."""
+    width = params.weight.shape[0]
+    rows_e = widened(error).reshape(-1, width)
+    rows_n = widened(n_hat).reshape(-1, width)
+    gradients = type(params)(
+        weight=jnp.mean(rows_e * rows_n, axis=0),
+        bias=None if params.bias is None else jnp.mean(rows_e, axis=0),
+    )
+    if optimiser is None:
+        return params, opt_state
+    return optax_step(optimiser, params, gradients, opt_state)
+
+
 class LayerNormState(eqx.Module):
     """`params` ($\\gamma$ `weight`, $\\beta$ `bias`, each `(D,)`) and the optax `opt_state`."""
 
@@ -240,16 +260,10 @@ class LearningLayerNorm(AbstractPart):
             return layer_norm_forward(state.params, x, eps)
 
         def backward(state: LayerNormState, cache, error):
-            n_hat = cache.n_hat
             input_error = layer_norm_input_error(state.params.weight, cache, error)
-            rows_e = widened(error).reshape(-1, width)
-            rows_n = widened(n_hat).reshape(-1, width)
-            gradients = LayerNormParams(
-                weight=jnp.mean(rows_e * rows_n, axis=0), bias=jnp.mean(rows_e, axis=0)
+            params, opt_state = norm_affine_step(
+                self.optimiser, state.params, state.opt_state, error, cache.n_hat
             )
-            params, opt_state = state.params, state.opt_state
-            if self.optimiser is not None:
-                params, opt_state = optax_step(self.optimiser, params, gradients, opt_state)
             metrics = learning_metrics(state.params, params, error, input_error, (width,))
             return input_error, LayerNormState(params, opt_state), metrics
 

@@ -24,9 +24,9 @@ import optax
 from fusedpc.core._checks import expect_last_axis
 from fusedpc.core._metrics import learning_metrics
 from fusedpc.core._part import AbstractPart, Core, PyTree, replace_fields
-from fusedpc.core._precision import widened
 from fusedpc.parts.frozen import RMSNormParams, rms_norm_forward, rms_norm_input_error
-from fusedpc.parts.learning._local_update import optax_step, resolve_learning
+from fusedpc.parts.learning._embedding import norm_affine_step
+from fusedpc.parts.learning._local_update import resolve_learning
 
 
 class RMSNormState(eqx.Module):
@@ -98,7 +98,6 @@ class LearningRMSNorm(AbstractPart):
     def compile(self, path: str) -> Core:
         width = self.weight.shape[0]
         eps = self.eps
-        has_bias = self.bias is not None
 
         def forward(state: RMSNormState, x):
             expect_last_axis(path, x, width)
@@ -106,15 +105,9 @@ class LearningRMSNorm(AbstractPart):
 
         def backward(state: RMSNormState, cache, error):
             input_error = rms_norm_input_error(state.params.weight, cache, error)
-            rows_e = widened(error).reshape(-1, width)
-            rows_n = widened(cache.n_hat).reshape(-1, width)
-            gradients = RMSNormParams(
-                weight=jnp.mean(rows_e * rows_n, axis=0),
-                bias=jnp.mean(rows_e, axis=0) if has_bias else None,
+            params, opt_state = norm_affine_step(
+                self.optimiser, state.params, state.opt_state, error, cache.n_hat
             )
-            params, opt_state = state.params, state.opt_state
-            if self.optimiser is not None:
-                params, opt_state = optax_step(self.optimiser, params, gradients, opt_state)
             metrics = learning_metrics(state.params, params, error, input_error, (width,))
             return input_error, RMSNormState(params, opt_state), metrics
 
