@@ -114,9 +114,9 @@ import json
 import jax, numpy as np, optax
 import fusedpc
 
-def check(n_blocks, steps, batch, seq=8):
+def check(n_blocks, steps, batch, seq=8, **options):
     config = fusedpc.GPTConfig(vocab_size=11, width=16, n_heads=2, n_blocks=n_blocks,
-                               ff_width=32, max_len=seq)
+                               ff_width=32, max_len=seq, **options)
 
     def pipeline():
         part, _ = fusedpc.build_gpt(config, optax.adam(1e-2), jax.random.key(0))
@@ -139,8 +139,11 @@ def check(n_blocks, steps, batch, seq=8):
     }
 
 # seq 64 and 128: the attention runs in 2 and 4 causal tiles (causal_tiles_for); the 2-block
-# case is also the 2-tile one (each case compiles two programs at the default level, ~35 s)
-print(json.dumps([check(1, 10, 2), check(2, 6, 4, 64), check(1, 4, 1, 128)]))
+# case is also the 2-tile one (each case compiles two programs at the default level, ~35 s);
+# the last has the modern pieces, whose rotary angles are tied to the data like the mask
+modern = {"norm": "rms", "positions": "rotary", "feed_forward": "swiglu"}
+print(json.dumps([check(1, 10, 2), check(2, 6, 4, 64), check(1, 4, 1, 128),
+                  check(1, 6, 2, **modern)]))
 """
 
 
@@ -168,8 +171,9 @@ def test_gpt_step_versus_run_is_bit_identical():
     assert result.returncode == 0, result.stderr[-3000:]
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     # the 1-block case is the one that drifted before the fix (the others: 2 blocks, other
-    # shapes, and attention in 2 and 4 causal tiles)
-    assert outcome == [{"losses": True, "state": True, "falls": True}] * 3
+    # shapes, and attention in 2 and 4 causal tiles; RMSNorm, rotary positions and SwiGLU,
+    # whose constant rotary angles drifted the same way until tied to the data)
+    assert outcome == [{"losses": True, "state": True, "falls": True}] * 4
 
 
 def test_different_seeds_differ():

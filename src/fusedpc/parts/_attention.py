@@ -343,13 +343,24 @@ def causal_mix_dot_product_backward_rows(
     )
 
 
-def rotary_angles(seq_len: int, head_width: int, base: float) -> tuple[jax.Array, jax.Array]:
+def rotary_angles(
+    seq_len: int, head_width: int, base: float, tie: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """$\\cos\\theta$ and $\\sin\\theta$ of the rotary angles
     $\\theta_{t,i} = t\\, b^{-2i/d}$ for positions $t < T$ = `seq_len` and pairs
-    $i < d/2$ ($d$ = `head_width`, even; $b$ = `base`), each `(T, d/2)` in float32."""
+    $i < d/2$ ($d$ = `head_width`, even; $b$ = `base`), each `(T, d/2)` in float32.
+
+    `tie`, an array of the step's data (the rows being rotated), makes the angles depend on
+    it (NaN where its first entry is NaN, which the rotated rows would be anyway), so that XLA
+    neither folds them into constants nor hoists them out of `run`'s scan: folded or hoisted,
+    they are computed by another implementation of cos and sin than inside the step's
+    kernels, and K `step`s and one K-step `run` would differ in the last bits."""
     exponents = jnp.arange(0, head_width, 2, dtype=jnp.float32) / head_width
     frequencies = 1.0 / (base**exponents)
     angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * frequencies[None, :]
+    if tie is not None:
+        probe = widened(jnp.ravel(tie)[0])
+        angles = jnp.where(jnp.isnan(probe), jnp.float32(jnp.nan), angles)
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -367,7 +378,7 @@ def rotate_rows(
     b, t, width = x.shape
     d = width // n_heads
     half = d // 2
-    cos, sin = rotary_angles(t, d, base)
+    cos, sin = rotary_angles(t, d, base, tie=x)
     cos, sin = to_compute(cos)[:, None, :], to_compute(sin)[:, None, :]  # (T, 1, d/2)
     if inverse:
         sin = -sin
