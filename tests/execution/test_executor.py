@@ -370,8 +370,9 @@ def test_non_part_in_a_sequential_is_named():
         ),
     ):
         fusedpc.Sequential([frozen.relu(), lambda x: x])
-    with pytest.raises(TypeError, match=re.escape("Residual.branch: expected a part")):
+    with pytest.raises(TypeError, match=re.escape("Residual.branch: expected a part")) as err:
         fusedpc.Residual(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
+    assert "fusedpc.frozen.from_module(module)" in str(err.value)  # the way to wrap it
     with pytest.raises(ValueError, match="Sequential: needs at least one part, got none"):
         fusedpc.Sequential([])
 

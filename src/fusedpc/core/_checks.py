@@ -44,8 +44,11 @@ def check_part(part: object, path: str) -> AbstractPart:
     if not isinstance(part, AbstractPart):
         raise TypeError(
             f"{display_path(path)}: expected a part (a subclass of fusedpc.AbstractPart), got "
-            f"{type(part).__name__}. Wrap functions with fusedpc.Frozen(forward, backward, "
-            "params) and equinox layers with fusedpc.frozen / fusedpc.transplant."
+            f"{type(part).__name__}. Wrap an equinox module with "
+            "fusedpc.frozen.from_module(module) or a function with "
+            "fusedpc.frozen.from_function(fn, params) (their backward by autodiff), write a "
+            "backward for fusedpc.Frozen(forward, backward, params), or make an equinox layer "
+            "learn with fusedpc.transplant."
         )
     return part
 
