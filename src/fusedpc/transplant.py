@@ -1,6 +1,6 @@
 """Converters from equinox layers to learning parts; implemented in `fusedpc.parts.transplant`."""
 
-from fusedpc.parts.learning._conv import from_conv2d as from_conv2d
+from fusedpc.parts.transplant import from_conv2d as from_conv2d
 from fusedpc.parts.transplant import from_embedding as from_embedding
 from fusedpc.parts.transplant import from_feedforward as from_feedforward
 from fusedpc.parts.transplant import from_layer_norm as from_layer_norm

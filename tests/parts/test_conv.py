@@ -24,10 +24,10 @@ import pytest
 from helpers import assert_tree_allclose, capture_gradients, norm_rel_error, normal
 
 import fusedpc
-from fusedpc import frozen
+from fusedpc import LearningConv2d, frozen
 from fusedpc.parts import conv
-from fusedpc.parts.learning._conv import LearningConv2d, from_conv2d
 from fusedpc.training.shapes import SHAPES, make_shapes
+from fusedpc.transplant import from_conv2d
 
 DIMENSIONS = ("NHWC", "HWIO", "NHWC")
 

@@ -25,6 +25,8 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from fusedpc.parts._gated import GatedFeedForward
+from fusedpc.parts.conv import eqx_conv_arrays
+from fusedpc.parts.learning._conv import LearningConv2d
 from fusedpc.parts.learning._embedding import LearningEmbedding, LearningLayerNorm
 from fusedpc.parts.learning._learning import LearningNetwork
 from fusedpc.parts.learning._network import PCNetwork
@@ -226,3 +228,25 @@ __all__ = [
     "from_rms_norm",
     "from_swiglu",
 ]
+
+
+def from_conv2d(conv: eqx.nn.Conv2d, **learning: Any) -> LearningConv2d:
+    """A `LearningConv2d` at the weights, stride and padding of an `eqx.nn.Conv2d`.
+
+    Equinox's convolution is channels-first on unbatched `(C, H, W)` inputs, weight
+    `(C_out, C_in, kh, kw)`, bias `(C_out, 1, 1)`; the part is channels-last with the kernel
+    `weight.transpose(2, 3, 1, 0)` and the bias flattened, so that on `(B, H, W, C_in)` it
+    computes `jax.vmap(conv)` of the channels-first images, transposed back. Only dilation 1,
+    one group and zero padding. `**learning`: `optimiser`, `learning_kind`, `learning_kwargs`,
+    `update_precisions`, `time_step`, `tonic_volatility`, `weight_reuse`.
+    """
+    where = "from_conv2d"
+    if not isinstance(conv, eqx.nn.Conv2d):
+        raise TypeError(f"{where}: expected an eqx.nn.Conv2d, got {type(conv).__name__}.")
+    _, learning = _split_learning(where, learning, network_keys=())
+    kernel, bias, stride, padding = eqx_conv_arrays(conv, where)
+    kh, kw, in_channels, out_channels = kernel.shape
+    return LearningConv2d(
+        in_channels, out_channels, (kh, kw), stride=stride, padding=padding,
+        use_bias=bias is not None, kernel=kernel, bias=bias, **learning,
+    )

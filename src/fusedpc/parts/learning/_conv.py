@@ -34,7 +34,7 @@ For a single matrix at unit output precision `standard` takes the same step as
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -53,7 +53,6 @@ from fusedpc.parts.conv import (
     check_kernel,
     conv_geometry,
     crop_images,
-    eqx_conv_arrays,
     pad_images,
     window_slices,
     windows_adjoint,
@@ -62,7 +61,7 @@ from fusedpc.parts.learning._learning import LearningNetwork, LearningNetworkSta
 from fusedpc.parts.learning._local_update import resolve_learning
 from fusedpc.parts.learning._network import PCNetwork
 
-__all__ = ["ConvCache", "LearningConv2d", "from_conv2d"]
+__all__ = ["ConvCache", "LearningConv2d"]
 
 
 class ConvCache(eqx.Module):
@@ -260,39 +259,3 @@ class LearningConv2d(AbstractPart):
             return replace_fields(self, network=base.write_back(state))
 
         return Core(forward, backward, write_back)
-
-
-_LEARNING_KEYS = (
-    "optimiser",
-    "learning_kind",
-    "learning_kwargs",
-    "update_precisions",
-    "time_step",
-    "tonic_volatility",
-    "weight_reuse",
-)
-
-
-def from_conv2d(conv: eqx.nn.Conv2d, **learning: Any) -> LearningConv2d:
-    """A `LearningConv2d` at the weights, stride and padding of an `eqx.nn.Conv2d`.
-
-    Equinox's convolution is channels-first on unbatched `(C, H, W)` inputs, weight
-    `(C_out, C_in, kh, kw)`, bias `(C_out, 1, 1)`; the part is channels-last with the kernel
-    `weight.transpose(2, 3, 1, 0)` and the bias flattened, so that on `(B, H, W, C_in)` it
-    computes `jax.vmap(conv)` of the channels-first images, transposed back. Only dilation 1,
-    one group and zero padding. `**learning`: `optimiser`, `learning_kind`, `learning_kwargs`,
-    `update_precisions`, `time_step`, `tonic_volatility`, `weight_reuse`.
-    """
-    where = "from_conv2d"
-    if not isinstance(conv, eqx.nn.Conv2d):
-        raise TypeError(f"{where}: expected an eqx.nn.Conv2d, got {type(conv).__name__}.")
-    unknown = sorted(set(learning) - set(_LEARNING_KEYS))
-    if unknown:
-        raise TypeError(f"{where}: unknown keywords {unknown}; allowed: {list(_LEARNING_KEYS)}.")
-    kernel, bias, stride, padding = eqx_conv_arrays(conv, where)
-    kh, kw, in_channels, out_channels = kernel.shape
-    return LearningConv2d(
-        in_channels, out_channels, (kh, kw), stride=stride, padding=padding,
-        use_bias=bias is not None, kernel=kernel, bias=bias, **learning,
-    )
-
