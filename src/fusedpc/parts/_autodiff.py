@@ -29,7 +29,7 @@ from fusedpc.core._part import (
     display_path,
     replace_fields,
 )
-from fusedpc.parts._frozen import FrozenState
+from fusedpc.parts._frozen import FrozenState, run_forward
 
 
 class AutodiffCache(eqx.Module):
@@ -173,18 +173,10 @@ class AutodiffFrozen(AbstractPart):
             def apply(inp):
                 return self._apply(state.params, inp)
 
-            try:
-                if _is_integer(x):
-                    y, pullback = apply(x), None
-                else:
-                    y, pullback = jax.vjp(apply, x)
-            except (TypeError, ValueError) as err:
-                if str(err).startswith(where):
-                    raise
-                raise ValueError(
-                    f"{where}: the forward of frozen part {self.name!r} failed on an input of "
-                    f"shape {tuple(x.shape)}: {err}"
-                ) from err
+            y, pullback = run_forward(
+                where, self.name, x,
+                lambda: (apply(x), None) if _is_integer(x) else jax.vjp(apply, x),
+            )
             self._check_output(where, x, y)
             return y, AutodiffCache(pullback)
 

@@ -20,6 +20,22 @@ from fusedpc.core._part import (
 )
 
 
+def run_forward(where: str, name: str, x: Any, forward: Callable[[], Any]) -> Any:
+    """`forward()`, a frozen part's formula on the input `x`: a `TypeError` or `ValueError`
+    from the user's formula comes back as a `ValueError` naming the part (`where`, its
+    displayed path, and `name`) and the input's shape; one that already names the path passes
+    unchanged."""
+    try:
+        return forward()
+    except (TypeError, ValueError) as err:
+        if str(err).startswith(where):
+            raise
+        raise ValueError(
+            f"{where}: the forward of frozen part {name!r} failed on an input of shape "
+            f"{tuple(x.shape)}: {err}"
+        ) from err
+
+
 class FrozenState(eqx.Module):
     """State of a frozen part: its parameters (arrays), carried unchanged through every step."""
 
@@ -94,15 +110,7 @@ class Frozen(AbstractPart):
         def forward(state: FrozenState, x):
             if self.in_width is not None:
                 expect_last_axis(path, x, self.in_width)
-            try:
-                return self.forward_fn(state.params, x)
-            except (TypeError, ValueError) as err:
-                if str(err).startswith(where):
-                    raise
-                raise ValueError(
-                    f"{where}: the forward of frozen part {self.name!r} failed on an input of "
-                    f"shape {tuple(x.shape)}: {err}"
-                ) from err
+            return run_forward(where, self.name, x, lambda: self.forward_fn(state.params, x))
 
         def backward(state: FrozenState, cache, error):
             input_error = self.backward_fn(state.params, cache, error)
