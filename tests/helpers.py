@@ -11,7 +11,12 @@ one or more cases here (a tiny instance and a tiny input, float32, a few rows).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -40,6 +45,23 @@ def count_equations(jaxpr) -> int:
                 elif hasattr(sub, "eqns"):  # a Jaxpr
                     total += count_equations(sub)
     return total
+
+
+# --------------------------------------------------------------------------- processes
+def run_at_default_level(*args: str, timeout: float = 300) -> Any:
+    """Runs `python *args` in a fresh process at XLA's default optimisation level (without
+    the suite's level-0 flag, tests/conftest.py: that is what users get), on the CPU, with
+    tests/ on its path; asserts that it succeeded and returns its last stdout line as JSON."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = " ".join(
+        f for f in env.get("XLA_FLAGS", "").split() if "xla_backend_optimization_level" not in f
+    )
+    tests = str(Path(__file__).parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                            timeout=timeout, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------- optimisers

@@ -8,16 +8,11 @@ bit-identical only with XLA's deterministic-ops flag.)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import optax
 import pytest
-from helpers import linear_params, normal
+from helpers import linear_params, normal, run_at_default_level
 
 import fusedpc
 from fusedpc import frozen
@@ -153,23 +148,9 @@ def test_gpt_step_versus_run_is_bit_identical():
     # from K `step`s in the last bits; the attention ties its mask to the scores to prevent
     # that (docs/reliability.md). Default XLA passes here: this is what users get. A fresh
     # process, so that no earlier test's XLA flags or compiled programs are involved.
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    # without the suite's fast-compile flag (conftest.py): the default optimisation level is
-    # where the hoisting mattered
-    env["XLA_FLAGS"] = " ".join(
-        f for f in env.get("XLA_FLAGS", "").split() if "xla_backend_optimization_level" not in f
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", _STEP_VERSUS_RUN],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    # (without the suite's fast-compile flag: the default optimisation level is where the
+    # hoisting mattered)
+    outcome = run_at_default_level("-c", _STEP_VERSUS_RUN, timeout=600)
     # the 1-block case is the one that drifted before the fix (the others: 2 blocks, other
     # shapes, and attention in 2 and 4 causal tiles; RMSNorm, rotary positions and SwiGLU,
     # whose constant rotary angles drifted the same way until tied to the data)

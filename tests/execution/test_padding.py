@@ -9,10 +9,6 @@ the failure that made it so.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -21,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from _padding_parity import check as padding_parity
-from helpers import assert_tree_allclose, normal
+from helpers import assert_tree_allclose, normal, run_at_default_level
 
 import fusedpc
 
@@ -42,17 +38,7 @@ def test_masked_step_equals_the_masked_mean_twin_on_every_head():
 def test_masked_step_parity_at_xla_default_optimisation_level():
     # A fresh process without the suite's level-0 flag: fusions there (softmax and the
     # subtraction into one rounding) are what broke padding by zero rows.
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = " ".join(
-        f for f in env.get("XLA_FLAGS", "").split() if "xla_backend_optimization_level" not in f
-    )
-    script = Path(__file__).with_name("_padding_parity.py")
-    result = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    _assert_parity(json.loads(result.stdout.strip().splitlines()[-1]))
+    _assert_parity(run_at_default_level(str(Path(__file__).with_name("_padding_parity.py"))))
 
 
 def _tree():

@@ -10,10 +10,6 @@ float32 rounding (about 1e-7 relative), so no float64 twin is needed here.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -21,7 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_allclose, capture_gradients, norm_rel_error, normal
+from helpers import (
+    assert_tree_allclose,
+    capture_gradients,
+    norm_rel_error,
+    normal,
+    run_at_default_level,
+)
 
 import fusedpc
 from fusedpc import LearningConv2d, frozen
@@ -397,16 +399,7 @@ def test_vgg_trains_fused_and_follows_the_backprop_loss_curve():
 def test_vgg_parity_at_xla_default_optimisation_level():
     # A fresh process without the suite's level-0 flag (tests/conftest.py): XLA's fusions
     # there reorder the float32 arithmetic of both the fused step and the twin.
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = " ".join(
-        f for f in env.get("XLA_FLAGS", "").split() if "xla_backend_optimization_level" not in f
-    )
-    tests = str(Path(__file__).parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
-                            text=True, timeout=300, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    _assert_vgg_parity(json.loads(result.stdout.strip().splitlines()[-1]), fall=0.3)
+    _assert_vgg_parity(run_at_default_level(__file__), fall=0.3)
 
 
 if __name__ == "__main__":  # the default-level check above runs this file as a script

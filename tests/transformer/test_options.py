@@ -10,10 +10,6 @@ XLA's default optimisation level, which the suite's level 0 (tests/conftest.py) 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -21,7 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_allclose, capture_gradients, norm_rel_error, normal
+from helpers import (
+    assert_tree_allclose,
+    capture_gradients,
+    norm_rel_error,
+    normal,
+    run_at_default_level,
+)
 
 import fusedpc
 from fusedpc.parts import frozen, transplant
@@ -190,18 +192,7 @@ def test_every_weight_learning_adam_steps_equal_backprop():
 def test_parity_at_xla_default_optimisation_level():
     # A fresh process without the suite's level-0 flag: XLA's fusions reorder the float32
     # sums; the three options at once, one SGD step.
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = " ".join(
-        f for f in env.get("XLA_FLAGS", "").split() if "xla_backend_optimization_level" not in f
-    )
-    tests = str(Path(__file__).parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
-    result = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    figures = run_at_default_level(__file__)
     assert figures["sgd"] <= 1e-5, figures
 
 
