@@ -44,6 +44,7 @@ from fusedpc.parts import Frozen as Frozen
 from fusedpc.parts import FrozenState as FrozenState
 from fusedpc.parts import GatedFeedForward as GatedFeedForward
 from fusedpc.parts import GatedState as GatedState
+from fusedpc.parts import IterativeNetwork as IterativeNetwork
 from fusedpc.parts import LayerNormParams as LayerNormParams
 from fusedpc.parts import LayerNormState as LayerNormState
 from fusedpc.parts import LearningConv2d as LearningConv2d

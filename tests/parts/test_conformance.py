@@ -20,6 +20,7 @@ import pytest
 from _autodiff_cases import CASES as AUTODIFF_CASES
 from _conv_cases import CASES as CONV_CASES
 from _conv_cases import RESHAPING
+from _iterative_cases import CASES as ITERATIVE_CASES
 from _transformer_cases import CASES as TRANSFORMER_CASES
 from helpers import (
     CONFORMANCE_CASES,
@@ -47,6 +48,7 @@ FACTORIES = {
     "attention_dot_product_mixing": _attention_dot_product_mixing,
     **AUTODIFF_CASES,
     **CONV_CASES,
+    **ITERATIVE_CASES,
     **TRANSFORMER_CASES,
 }
 CASES = sorted(FACTORIES)

@@ -18,8 +18,11 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--max-len", "the position table's length, also the tokens per row"),
     ("--learn", "learning slots: a preset (all, ff_head, none) or a comma list of token, "
      "position, attention, feed_forward, norm, head"),
-    ("--learning-kind", "precision_weighted, standard or synaptic_uncertainty"),
+    ("--learning-kind", "precision_weighted, standard, synaptic_uncertainty, or iterative "
+     "(the feed-forwards learn by iterative inference)"),
     ("--window", "window of synaptic_uncertainty (required with it)"),
+    ("--inference-steps", "relaxation steps of the iterative kind's feed-forwards"),
+    ("--inference-rate", "step size of the iterative kind's relaxation"),
     ("--head-kind", "gaussian (logits) or categorical (probabilities)"),
     ("--fused-qkv", "true: the learning query, key and value projections as one fused part"),
     ("--hidden-precision", "precision of the feed-forward's hidden-layer errors"),

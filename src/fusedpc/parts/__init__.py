@@ -33,6 +33,7 @@ from fusedpc.parts.frozen import LayerNormCache as LayerNormCache
 from fusedpc.parts.frozen import RMSNormCache as RMSNormCache
 from fusedpc.parts.frozen import RMSNormParams as RMSNormParams
 from fusedpc.parts.learning import EmbeddingState as EmbeddingState
+from fusedpc.parts.learning import IterativeNetwork as IterativeNetwork
 from fusedpc.parts.learning import LayerNormParams as LayerNormParams
 from fusedpc.parts.learning import LayerNormState as LayerNormState
 from fusedpc.parts.learning import LearningConv2d as LearningConv2d
@@ -44,4 +45,5 @@ from fusedpc.parts.learning import LearningRMSNorm as LearningRMSNorm
 from fusedpc.parts.learning import NetworkCache as NetworkCache
 from fusedpc.parts.learning import NetworkParams as NetworkParams
 from fusedpc.parts.learning import PCNetwork as PCNetwork
+from fusedpc.parts.learning import RelaxationMetrics as RelaxationMetrics
 from fusedpc.parts.learning import RMSNormState as RMSNormState

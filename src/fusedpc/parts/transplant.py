@@ -10,6 +10,7 @@ part's keywords: `optimiser`, `learning_kind`, `learning_kwargs`, `update_precis
 | `from_linear(lin)` | `[in, out]` | `W_0 = lin.weight`, `b_0 = lin.bias` |
 | `from_linears([l1, l2, ...])` | `[in, sum(out)]` | rows stacked in order |
 | `from_feedforward(fc1, fc2, act)` | `[in, hidden, out]` | `fc1` then `fc2`, `act` between |
+| `from_feedforward_iterative(fc1, fc2)` | `[in, hidden, out]` | as above (`IterativeNetwork`) |
 | `from_embedding(emb)` | table `(V, D)` | gather / scatter-add (`LearningEmbedding`) |
 | `from_layer_norm(ln)` | `(D,)` affine | `LearningLayerNorm` |
 | `from_rms_norm(norm)` | `(D,)` scale | `LearningRMSNorm` |
@@ -28,6 +29,7 @@ from fusedpc.parts._gated import GatedFeedForward
 from fusedpc.parts.conv import eqx_conv_arrays
 from fusedpc.parts.learning._conv import LearningConv2d
 from fusedpc.parts.learning._embedding import LearningEmbedding, LearningLayerNorm
+from fusedpc.parts.learning._iterative import IterativeNetwork
 from fusedpc.parts.learning._learning import LearningNetwork
 from fusedpc.parts.learning._network import PCNetwork
 from fusedpc.parts.learning._rms_norm import LearningRMSNorm
@@ -109,6 +111,25 @@ def from_linears(linears: Sequence[eqx.nn.Linear], **learning: Any) -> LearningN
     return LearningNetwork(network, **part_kw)
 
 
+def _feedforward_network(
+    where: str, fc1: eqx.nn.Linear, fc2: eqx.nn.Linear, activation: str, network_kw: dict
+) -> PCNetwork:
+    _check_linear(f"{where}: fc1", fc1)
+    _check_linear(f"{where}: fc2", fc2)
+    hidden, in_width = fc1.weight.shape
+    out_width, hidden2 = fc2.weight.shape
+    if hidden != hidden2:
+        raise ValueError(
+            f"{where}: fc1 has {hidden} out_features but fc2 has {hidden2} "
+            "in_features; they must match."
+        )
+    bias = (fc1.bias is not None, fc2.bias is not None)
+    return PCNetwork(
+        [in_width, hidden, out_width], (activation,), bias=bias,
+        weights=[fc1.weight, fc2.weight], biases=[fc1.bias, fc2.bias], **network_kw,
+    )
+
+
 def from_feedforward(
     fc1: eqx.nn.Linear, fc2: eqx.nn.Linear, activation: str = "gelu", **learning: Any
 ) -> LearningNetwork:
@@ -116,22 +137,41 @@ def from_feedforward(
 
     fc1's bias sits inside the activation (the hidden layer holds pre-activations).
     """
-    _check_linear("from_feedforward: fc1", fc1)
-    _check_linear("from_feedforward: fc2", fc2)
-    hidden, in_width = fc1.weight.shape
-    out_width, hidden2 = fc2.weight.shape
-    if hidden != hidden2:
-        raise ValueError(
-            f"from_feedforward: fc1 has {hidden} out_features but fc2 has {hidden2} "
-            "in_features; they must match."
-        )
     net_kw, part_kw = _split_learning("from_feedforward", learning)
-    bias = (fc1.bias is not None, fc2.bias is not None)
-    network = PCNetwork(
-        [in_width, hidden, out_width], (activation,), bias=bias,
-        weights=[fc1.weight, fc2.weight], biases=[fc1.bias, fc2.bias], **net_kw,
-    )
+    network = _feedforward_network("from_feedforward", fc1, fc2, activation, net_kw)
     return LearningNetwork(network, **part_kw)
+
+
+ITERATIVE_KEYS = (
+    "optimiser",
+    "inference_steps",
+    "inference_rate",
+    "schedule",
+    "fixed_prediction",
+    "inference_optimiser",
+    "record_energy",
+)
+
+
+def from_feedforward_iterative(
+    fc1: eqx.nn.Linear, fc2: eqx.nn.Linear, activation: str = "gelu", **iterative: Any
+) -> IterativeNetwork:
+    """`fc2(activation(fc1(x)))` as one `IterativeNetwork` (sizes `[in, hidden, out]`): the
+    same forward as `from_feedforward`, learning by iterative inference. `**iterative`: the
+    part's `optimiser`, `inference_steps`, `inference_rate`, `schedule`, `fixed_prediction`,
+    `inference_optimiser`, `record_energy`, and the network's `head`, `hidden_precision`,
+    `output_precision`, `input_activation`."""
+    where = "from_feedforward_iterative"
+    unknown = sorted(set(iterative) - set(_NETWORK_KEYS) - set(ITERATIVE_KEYS))
+    if unknown:
+        raise TypeError(
+            f"{where}: unknown keywords {unknown}; allowed: "
+            f"{sorted(_NETWORK_KEYS + ITERATIVE_KEYS)}."
+        )
+    net_kw = {k: v for k, v in iterative.items() if k in _NETWORK_KEYS}
+    part_kw = {k: v for k, v in iterative.items() if k in ITERATIVE_KEYS}
+    network = _feedforward_network(where, fc1, fc2, activation, net_kw)
+    return IterativeNetwork(network, **part_kw)
 
 
 def from_embedding(embedding: eqx.nn.Embedding, **learning: Any) -> LearningEmbedding:
@@ -222,6 +262,7 @@ def from_swiglu(
 __all__ = [
     "from_embedding",
     "from_feedforward",
+    "from_feedforward_iterative",
     "from_layer_norm",
     "from_linear",
     "from_linears",

@@ -2,8 +2,9 @@
 settings (the CLI's flags, the TOML file's keys) it is read from and written to.
 
 A setting of the model has the name of the `GPTConfig` field it sets (`n_heads`, `n_blocks`,
-`max_len`, ...), plus `window`, the one learning keyword a run takes
-(`GPTConfig.learning_kwargs["window"]` of `synaptic_uncertainty`). The model's vocabulary
+`max_len`, ...), plus the learning keywords a run takes: `window`
+(`GPTConfig.learning_kwargs["window"]` of `synaptic_uncertainty`), and `inference_steps` and
+`inference_rate` (of `"iterative"`). The model's vocabulary
 size is not a setting: the tokeniser decides it (`TrainConfig.gpt_config(vocab_size)`).
 """
 
@@ -15,10 +16,9 @@ import math
 import warnings
 from typing import Any
 
-from fusedpc.parts.learning._local_update import LEARNING_KINDS
 from fusedpc.training import data
 from fusedpc.training._optimisers import DEFAULT_WEIGHT_DECAY, LR_SCHEDULES, OPTIMISERS
-from fusedpc.transformer._build import SLOTS, GPTConfig
+from fusedpc.transformer._build import GPT_LEARNING_KINDS, ITERATIVE, SLOTS, GPTConfig
 
 TOKENIZERS = ("char", "byte")
 SYNAPTIC = "synaptic_uncertainty"
@@ -27,10 +27,14 @@ CALIBRATE_METHODS = ("none", "probe", "auto")
 
 MODEL_SETTINGS = (
     "width", "n_heads", "n_blocks", "ff_width", "max_len", "learn", "learning_kind", "window",
-    "head_kind", "fused_qkv", "hidden_precision", "scan", "attention_mixing", "compute_dtype",
-    "norm", "positions", "feed_forward",
+    "inference_steps", "inference_rate", "head_kind", "fused_qkv", "hidden_precision", "scan",
+    "attention_mixing", "compute_dtype", "norm", "positions", "feed_forward",
 )
-"""The settings of `TrainConfig.model`: `GPTConfig` fields by their own names, and `window`."""
+"""The settings of `TrainConfig.model`: `GPTConfig` fields by their own names, and the learning
+keywords (`LEARNING_SETTINGS`)."""
+LEARNING_SETTINGS = {SYNAPTIC: ("window",), ITERATIVE: ("inference_steps", "inference_rate")}
+"""The flat settings that reach `GPTConfig.learning_kwargs`, per learning kind."""
+LEARNING_DEFAULTS = {"window": 0, "inference_steps": 8, "inference_rate": 0.1}
 
 RENAMED = {"heads": "n_heads", "blocks": "n_blocks", "seq": "max_len"}
 """Setting names of fusedpc 0.1 and their `GPTConfig` names. The old names (TOML keys,
@@ -68,14 +72,15 @@ class TrainConfig:
             `max_len` (the position table's length, also the tokens per training row $T$);
             `learn`: the learning slots, a preset (`"all"`, `"ff_head"`, `"none"`) or a comma
             list of `token, position, attention, feed_forward, norm, head`; `learning_kind`:
-            `"precision_weighted"`, `"standard"` or `"synaptic_uncertainty"` (which needs
-            `window` >= 1); `head_kind`: `"gaussian"` (logits) or `"categorical"`
-            (probabilities); `fused_qkv`, `hidden_precision`, `scan`, `attention_mixing`
-            (`"tiles"` or `"dot_product_attention"`) and `compute_dtype` (`"float32"` or
-            `"bfloat16"`: activations and matrix products in bfloat16, weights, optimiser
-            state, norms and loss in float32), `norm` (`"layer"` or `"rms"`), `positions`
-            (`"table"` or `"rotary"`: no position table) and `feed_forward` (`"gelu"` or
-            `"swiglu"`) as in `GPTConfig`.
+            `"precision_weighted"`, `"standard"`, `"synaptic_uncertainty"` (which needs
+            `window` >= 1) or `"iterative"` (the feed-forwards relax for `inference_steps`
+            steps at `inference_rate`, `IterativeNetwork`); `head_kind`: `"gaussian"`
+            (logits) or `"categorical"` (probabilities); `fused_qkv`, `hidden_precision`,
+            `scan`, `attention_mixing` (`"tiles"` or `"dot_product_attention"`) and
+            `compute_dtype` (`"float32"` or `"bfloat16"`: activations and matrix products in
+            bfloat16, weights, optimiser state, norms and loss in float32), `norm`
+            (`"layer"` or `"rms"`), `positions` (`"table"` or `"rotary"`: no position
+            table) and `feed_forward` (`"gelu"` or `"swiglu"`) as in `GPTConfig`.
         optimiser: [optimiser] `"adam"`, `"adamw"` or `"sgd"` (`make_optimiser`).
         lr: [optimiser] the learning rate.
         weight_decay: [optimiser] the weight decay (adamw).
@@ -206,7 +211,8 @@ class TrainConfig:
             if not value >= 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         for name in (
-            "seed", "eval_every", "save_every", "sample_tokens", "window", "warmup_steps",
+            "seed", "eval_every", "save_every", "sample_tokens", "window", "inference_steps",
+            "warmup_steps",
             "lr_decay_steps", "calibrate_at",
         ):
             value = settings[name]
@@ -219,10 +225,11 @@ class TrainConfig:
                 f"width/n_heads features); choose e.g. "
                 f"n_heads={_divisor_near(model.width, model.n_heads)}."
             )
-        extra = sorted(set(model.learning_kwargs or {}) - {"window"})
+        extra = sorted(set(model.learning_kwargs or {}) - set(LEARNING_DEFAULTS))
         if extra:
             raise ValueError(
-                f"model.learning_kwargs: a run's settings hold only 'window', got {extra}."
+                f"model.learning_kwargs: a run's settings hold only {sorted(LEARNING_DEFAULTS)}"
+                f", got {extra}."
             )
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}.")
@@ -287,10 +294,24 @@ class TrainConfig:
             )
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
-        if model.learning_kind not in LEARNING_KINDS:
+        if model.learning_kind not in GPT_LEARNING_KINDS:
             raise ValueError(
-                f"learning_kind must be one of {LEARNING_KINDS}, got {model.learning_kind!r}."
+                f"learning_kind must be one of {GPT_LEARNING_KINDS}, got "
+                f"{model.learning_kind!r}."
             )
+        if model.learning_kind == ITERATIVE:
+            if not (isinstance(settings["inference_rate"], float | int)
+                    and settings["inference_rate"] > 0
+                    and math.isfinite(settings["inference_rate"])):
+                raise ValueError(
+                    f"inference_rate must be a positive number, got "
+                    f"{settings['inference_rate']!r}."
+                )
+            if model.feed_forward != "gelu":
+                raise ValueError(
+                    "learning_kind 'iterative' relaxes the feed-forwards' hidden layer, which "
+                    f"needs feed_forward='gelu', got {model.feed_forward!r}."
+                )
         if model.learning_kind == SYNAPTIC and settings["window"] < 1:
             raise ValueError(
                 "learning_kind 'synaptic_uncertainty' needs window >= 1 (the number of steps "
@@ -331,19 +352,24 @@ _RUN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name !=
 
 
 def _model_settings(model: GPTConfig) -> dict[str, Any]:
-    out = {name: getattr(model, name) for name in MODEL_SETTINGS if name != "window"}
+    out = {
+        name: getattr(model, name) for name in MODEL_SETTINGS if name not in LEARNING_DEFAULTS
+    }
     if not isinstance(out["learn"], str):
         out["learn"] = ",".join(out["learn"])
-    out["window"] = int((model.learning_kwargs or {}).get("window", 0))
+    given = model.learning_kwargs or {}
+    for name, default in LEARNING_DEFAULTS.items():
+        out[name] = type(default)(given.get(name, default))
     return out
 
 
 def _model_from(model: GPTConfig, settings: dict[str, Any]) -> GPTConfig:
     """`model` with the model `settings` (`MODEL_SETTINGS` names) applied."""
     merged = {**_model_settings(model), **settings}
-    window = merged.pop("window")
-    # As in fusedpc 0.1: the window reaches the model only with the kind that uses it.
-    kwargs = {"window": window} if merged["learning_kind"] == SYNAPTIC else None
+    learning = {name: merged.pop(name) for name in LEARNING_DEFAULTS}
+    # As in fusedpc 0.1: a learning keyword reaches the model only with the kind that uses it.
+    names = LEARNING_SETTINGS.get(merged["learning_kind"], ())
+    kwargs = {name: learning[name] for name in names} or None
     return dataclasses.replace(model, learning_kwargs=kwargs, **merged)
 
 

@@ -26,9 +26,16 @@ from fusedpc.parts._attention import MIXINGS, MultiHeadAttention
 from fusedpc.parts._compose import Sequential
 from fusedpc.parts._repeat import Repeat
 from fusedpc.parts.frozen import RMSNormParams
-from fusedpc.parts.learning._local_update import RateMultiplier
+from fusedpc.parts.learning._local_update import LEARNING_KINDS, RateMultiplier
 from fusedpc.transformer._gpt import Blocks, GPTPart, TransformerBlock
-from fusedpc.transformer.reference import FEED_FORWARDS, GPT, NORMS, POSITIONS, SwiGLU
+from fusedpc.transformer.reference import (
+    FEED_FORWARDS,
+    GPT,
+    NORMS,
+    POSITIONS,
+    FeedForward,
+    SwiGLU,
+)
 
 # `scan="auto"` unrolls this many blocks or fewer (see `hybrid_from_gpt`).
 AUTO_UNROLL_BLOCKS = 4
@@ -49,6 +56,13 @@ def blocks_form(scan: bool | str, n_blocks: int, where: str = "scan") -> str:
     return "scanned"
 
 SLOTS = ("token", "position", "attention", "feed_forward", "norm", "head")
+ITERATIVE = "iterative"
+# every kind of a learning part, and "iterative": the feed-forwards relax (IterativeNetwork)
+GPT_LEARNING_KINDS = (*LEARNING_KINDS, ITERATIVE)
+ITERATIVE_SETTINGS = (
+    "inference_steps", "inference_rate", "schedule", "fixed_prediction", "inference_optimiser",
+    "record_energy",
+)
 LEARNING_PRESETS = {
     "all": SLOTS,
     "ff_head": ("feed_forward", "head"),
@@ -159,10 +173,18 @@ def _learning_slots(
             f"({[_SLOT_ARGUMENTS[s] for s in twice]}); give each slot one way."
         )
     synaptic = learning_kind == "synaptic_uncertainty"
+    iterative = learning_kind == ITERATIVE
+    if learning_kind not in GPT_LEARNING_KINDS:
+        raise ValueError(
+            f"hybrid_from_gpt: unknown learning_kind {learning_kind!r}; choose one of "
+            f"{GPT_LEARNING_KINDS}."
+        )
 
     def learning_for(slot: str) -> dict[str, Any]:
         # the synaptic kind is its own rule; a rate multiplier alone scales its steps
         keep = not synaptic or isinstance(learn[slot], RateMultiplier)
+        if iterative:  # slots without a hidden layer: nothing to relax, the exact step
+            return {"optimiser": learn[slot], "learning_kind": "precision_weighted"}
         return {
             "optimiser": learn[slot] if keep else None,
             "learning_kind": learning_kind,
@@ -171,15 +193,38 @@ def _learning_slots(
 
     parts: dict[str, Any] = {}
     if "feed_forward" in learn:
-        parts["ff_parts"] = [
-            transplant.from_swiglu(b.ff.gate, b.ff.up, b.ff.down, **learning_for("feed_forward"))
-            if isinstance(b.ff, SwiGLU)
-            else transplant.from_feedforward(
-                b.ff.fc1, b.ff.fc2, "gelu", hidden_precision=hidden_precision,
-                **learning_for("feed_forward"),
+        if iterative and isinstance(gpt.blocks[0].ff, SwiGLU):
+            raise ValueError(
+                "hybrid_from_gpt: learning_kind='iterative' relaxes the hidden layer of a "
+                "feed-forward network (linear, GELU, linear), but this GPT's feed-forwards "
+                "are SwiGLUs (feed_forward='swiglu'); use feed_forward='gelu'."
             )
-            for b in gpt.blocks
-        ]
+        if iterative:
+            settings = dict(learning_kwargs or {})
+            unknown = sorted(set(settings) - set(ITERATIVE_SETTINGS))
+            if unknown:
+                raise ValueError(
+                    f"hybrid_from_gpt: learning_kwargs {unknown} do not apply to "
+                    f"learning_kind='iterative'; allowed: {list(ITERATIVE_SETTINGS)}."
+                )
+            parts["ff_parts"] = [
+                transplant.from_feedforward_iterative(
+                    ff.fc1, ff.fc2, "gelu", hidden_precision=hidden_precision,
+                    optimiser=learn["feed_forward"], **settings,
+                )
+                for ff in (cast(FeedForward, b.ff) for b in gpt.blocks)  # not SwiGLUs: above
+            ]
+        else:
+            parts["ff_parts"] = [
+                transplant.from_swiglu(b.ff.gate, b.ff.up, b.ff.down,
+                                       **learning_for("feed_forward"))
+                if isinstance(b.ff, SwiGLU)
+                else transplant.from_feedforward(
+                    b.ff.fc1, b.ff.fc2, "gelu", hidden_precision=hidden_precision,
+                    **learning_for("feed_forward"),
+                )
+                for b in gpt.blocks
+            ]
     if "attention" in learn:
         learning = learning_for("attention")
         attention = []
@@ -253,7 +298,12 @@ def hybrid_from_gpt(
       every block's part of that slot is a learning part transplanted at the reference weights
       holding that one optimiser (`learning_kind`, `learning_kwargs`, `hidden_precision` of
       the feed-forwards' hidden layer, `fused_qkv` for one QKV network per block). The
-      simplest way to many blocks that scan.
+      simplest way to many blocks that scan. `learning_kind="iterative"` makes every
+      learning feed-forward an `IterativeNetwork` (`transplant.from_feedforward_iterative`;
+      `learning_kwargs` are its `inference_steps`, `inference_rate`, `schedule`,
+      `fixed_prediction`, `inference_optimiser`, `record_energy`) and every other learning
+      slot `precision_weighted`: they have no hidden layer to relax, and iterative inference
+      on a single matrix is that same exact step.
     * parts of your own: `ff_parts[i]` / `attention_parts[i]` (a dict with any of `"wq"`,
       `"wk"`, `"wv"`, `"wo"`, or `"wqkv"` and optionally `"wo"`) replace block i's slots;
       either may also be a callable of the block index. `norm_parts(ln)` is applied to every
@@ -374,6 +424,8 @@ class GPTConfig:
     scanned beyond), `True` (always scanned) or `False` (a `Blocks` chain).
     `attention_mixing` (`"tiles"` or `"dot_product_attention"`) and `compute_dtype`
     (`"float32"`, or `"bfloat16"`, also spelt `"bf16"`) are `hybrid_from_gpt`'s too.
+    `learning_kind` is `hybrid_from_gpt`'s (a learning part's kind, or `"iterative"`:
+    the feed-forwards learn by iterative inference, `learning_kwargs` their settings).
     `norm` (`"layer"` or `"rms"`), `positions` (`"table"` or `"rotary"`: no position table,
     the head width `width / n_heads` even) and `feed_forward` (`"gelu"` or `"swiglu"`) are the
     reference GPT's options (`fusedpc.transformer.reference.GPT`); with rotary positions the

@@ -1,5 +1,6 @@
-"""The learning parts: a predictive-coding network, a convolution, embeddings, LayerNorm and
-RMSNorm that learn locally through optax, and the local update rules they share."""
+"""The learning parts: a predictive-coding network (single-sweep, or by iterative inference),
+a convolution, embeddings, LayerNorm and RMSNorm that learn locally through optax, and the
+local update rules they share."""
 
 from fusedpc.core._part import LayerNormParams as LayerNormParams
 from fusedpc.parts.learning._conv import ConvCache as ConvCache
@@ -8,6 +9,8 @@ from fusedpc.parts.learning._embedding import EmbeddingState as EmbeddingState
 from fusedpc.parts.learning._embedding import LayerNormState as LayerNormState
 from fusedpc.parts.learning._embedding import LearningEmbedding as LearningEmbedding
 from fusedpc.parts.learning._embedding import LearningLayerNorm as LearningLayerNorm
+from fusedpc.parts.learning._iterative import IterativeNetwork as IterativeNetwork
+from fusedpc.parts.learning._iterative import RelaxationMetrics as RelaxationMetrics
 from fusedpc.parts.learning._learning import LearningNetwork as LearningNetwork
 from fusedpc.parts.learning._learning import LearningNetworkState as LearningNetworkState
 from fusedpc.parts.learning._learning import NetworkCache as NetworkCache

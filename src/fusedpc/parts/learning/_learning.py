@@ -30,6 +30,7 @@ gradient); `standard` $u_l = \\delta_l$ (the belief shift; $u_L = E$);
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, cast
 
 import equinox as eqx
@@ -69,6 +70,50 @@ class NetworkCache(eqx.Module):
     activations: tuple[jax.Array, ...]
     pre_activations: tuple[jax.Array, ...]
     output: jax.Array | None
+
+
+def prediction_sweep(
+    net: PCNetwork, path: str
+) -> Callable[[NetworkParams, Any], tuple[Any, NetworkCache]]:
+    """The prediction sweep of `net` as a pure function `(params, x) -> (y, cache)`: every
+    $\\hat z_{l+1} = g_l(\\hat z_l) W_l^\\top + b_l$ over the rows of `(..., in)` input, the head
+    on the last; the cache holds what a learning step reads (`NetworkCache`). Shared by every
+    part built on a `PCNetwork` (`LearningNetwork`, `IterativeNetwork`). Checks the input's
+    width and dtype, naming `path`."""
+    n_mats = net.n_matrices
+    acts = [net.layer_activation(l) for l in range(n_mats)]
+    input_is_identity = net.input_activation == "identity"
+
+    def sweep(params: NetworkParams, x):
+        expect_last_axis(path, x, net.sizes[0])
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"{path or '<root>'}: expected a floating-point input, got dtype {x.dtype}."
+            )
+        lead = x.shape[:-1]
+        rows = to_compute(x.reshape(-1, net.sizes[0]))
+        a = rows if input_is_identity else acts[0].value(rows)
+        activations, pre_activations = [a], []
+        w, b = params.weights, params.biases
+        for l in range(n_mats):
+            z = matmul(a, w[l].T)
+            bias = b[l]
+            if bias is not None:
+                z = z + to_compute(bias)
+            if l < n_mats - 1:
+                pre_activations.append(z)
+                a = acts[l + 1].value(z)
+                activations.append(a)
+        out = net.apply_head(z if net.head == "gaussian" else widened(z))
+        cache = NetworkCache(
+            x=None if input_is_identity else rows,
+            activations=tuple(activations),
+            pre_activations=tuple(pre_activations),
+            output=out if net.head != "gaussian" else None,
+        )
+        return out.reshape(*lead, net.sizes[-1]), cache
+
+    return sweep
 
 
 class LearningNetworkState(eqx.Module):
@@ -189,34 +234,10 @@ class LearningNetwork(AbstractPart):
         kind = self.learning_kind
         k = self.weight_reuse
 
+        sweep = prediction_sweep(net, path)
+
         def forward(state: LearningNetworkState, x):
-            expect_last_axis(path, x, net.sizes[0])
-            if not jnp.issubdtype(x.dtype, jnp.floating):
-                raise TypeError(
-                    f"{path or '<root>'}: expected a floating-point input, got dtype {x.dtype}."
-                )
-            lead = x.shape[:-1]
-            rows = to_compute(x.reshape(-1, net.sizes[0]))
-            a = rows if input_is_identity else acts[0].value(rows)
-            activations, pre_activations = [a], []
-            w, b = state.params.weights, state.params.biases
-            for l in range(n_mats):
-                z = matmul(a, w[l].T)
-                bias = b[l]
-                if bias is not None:
-                    z = z + to_compute(bias)
-                if l < n_mats - 1:
-                    pre_activations.append(z)
-                    a = acts[l + 1].value(z)
-                    activations.append(a)
-            out = net.apply_head(z if net.head == "gaussian" else widened(z))
-            cache = NetworkCache(
-                x=None if input_is_identity else rows,
-                activations=tuple(activations),
-                pre_activations=tuple(pre_activations),
-                output=out if net.head != "gaussian" else None,
-            )
-            return out.reshape(*lead, net.sizes[-1]), cache
+            return sweep(state.params, x)
 
         def backward(state: LearningNetworkState, cache: NetworkCache, error):
             lead = error.shape[:-1]
@@ -332,4 +353,10 @@ class LearningNetwork(AbstractPart):
         return Core(forward, backward, write_back)
 
 
-__all__ = ["LearningNetwork", "LearningNetworkState", "NetworkCache", "NetworkParams"]
+__all__ = [
+    "LearningNetwork",
+    "LearningNetworkState",
+    "NetworkCache",
+    "NetworkParams",
+    "prediction_sweep",
+]
