@@ -122,3 +122,25 @@ def test_settings_are_checked_when_built():
         bench.BenchArgs(width=6, heads=4, ff_width=24)
     with pytest.raises(ValueError, match="unknown variants"):
         bench.BenchArgs(variants=("fused", "warp"))
+
+
+def test_iterative_variants_run_beside_the_single_sweep_step(capsys):
+    # --learning all: the feed-forwards learn, so they are IterativeNetworks relaxing T steps
+    argv = [*MICRO, "--in-process", "--no-donate-probe", "--learning", "all", "--variants",
+            "fused,fused_iterative,fused_run_iterative", "--inference-steps", "3"]
+    assert bench.main(argv) == 0
+    rows, _ = _rows(capsys)
+    by_variant = {r["variant"]: r for r in rows}
+    assert set(by_variant) == {"fused", "fused_iterative", "fused_run_iterative"}
+    for row in by_variant.values():
+        assert row["step_ms"] > 0 and row["tokens_per_s"] > 0
+    assert by_variant["fused_run_iterative"]["steps_per_call"] == 2
+    assert by_variant["fused_iterative"]["inference_steps"] == 3
+    assert "inference_steps" not in by_variant["fused"]
+
+
+def test_bad_inference_settings_are_refused():
+    with pytest.raises(ValueError, match="--inference-steps must be >= 0"):
+        bench.BenchArgs(inference_steps=-1)
+    with pytest.raises(ValueError, match="--inference-rate must be > 0"):
+        bench.BenchArgs(inference_rate=0.0)

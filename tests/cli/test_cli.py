@@ -797,3 +797,21 @@ def test_architecture_flags_reach_the_model_and_the_parameter_count():
     assert _setup.parameter_count(small, 11) == counted  # no position table, three FF matrices
     with pytest.raises(ValueError, match="GPTConfig.norm must be one of"):
         _config.config_from_settings({"norm": "batch"}).model.validate()
+
+
+def test_iterative_feed_forwards_train_log_their_energies_and_resume(train_cli, tmp_path):
+    """`--learning-kind iterative --inference-steps T`: the feed-forwards relax inside the
+    step; their report rows in the log carry the energy before and after (lower), the run
+    folder's config records T, energy.png is drawn, and a resumed run is bit-identical."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    flags = ("--learning-kind", "iterative", "--inference-steps", "3", "--inference-rate", "0.3")
+    assert train_cli(*flags, "--steps", "10", "--out", str(whole)) == 0
+    rows = [r for r in _records(whole, "report") if r["part"].endswith("feed_forward")]
+    assert rows and all(0 < r["energy_after"] < r["energy_before"] for r in rows), rows
+    assert "inference_steps = 3" in (whole / "config.toml").read_text()
+    assert (whole / "energy.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert train_cli(*flags, "--steps", "5", "--out", str(split)) == 0
+    assert main(["train", "--resume", str(split), "--steps", "10", "--compile-cache",
+                 "none"]) == 0
+    assert [(r["step"], r["loss"]) for r in _records(split, "train")] == [
+        (r["step"], r["loss"]) for r in _records(whole, "train")]

@@ -31,19 +31,23 @@ CALIBRATED_VARIANTS = ("fused_calibrated", "fused_run_calibrated")
 """`fused` and `fused_run` with every optimiser carrying a rate multiplier
 (`fusedpc.training.with_rate_multiplier`, as `fusedpc train --calibrate` builds them): the
 automatic calibration's cost per step, side by side with `fused` and `fused_run`."""
+ITERATIVE_VARIANTS = ("fused_iterative", "fused_run_iterative")
+"""`fused` and `fused_run` with every feed-forward learning by iterative inference
+(`GPTConfig(learning_kind="iterative")`, `--inference-steps` relaxation steps at
+`--inference-rate`): its cost, side by side with the single-sweep `fused` and the twin."""
 RUN_VARIANTS = (
     "fused_run", "fused_run_scan", "fused_run_unrolled", *CADENCE_VARIANTS,
-    "fused_run_calibrated",
+    "fused_run_calibrated", "fused_run_iterative",
 )
 """The variants that time `FusedPipeline.run` (`k` steps per call)."""
 FUSED_VARIANTS = (
     "fused", "fused_run", *SCANNED_VARIANTS, *UNROLLED_VARIANTS, *GUARD_VARIANTS,
-    *CADENCE_VARIANTS, *CALIBRATED_VARIANTS,
+    *CADENCE_VARIANTS, *CALIBRATED_VARIANTS, *ITERATIVE_VARIANTS,
 )
 """Every variant that runs a `FusedPipeline`."""
 ALL_VARIANTS = (
     VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + GUARD_VARIANTS + CADENCE_VARIANTS
-    + CALIBRATED_VARIANTS + PROBES
+    + CALIBRATED_VARIANTS + ITERATIVE_VARIANTS + PROBES
 )
 """Every name `--variants` accepts."""
 
@@ -86,6 +90,8 @@ class BenchArgs:
     host_memory: str = "auto"
     seed: int = 0
     dtype: str = "float32"
+    inference_steps: int = 8
+    inference_rate: float = 0.1
 
     def __post_init__(self):
         for name in ("vocab", "width", "heads", "seq", "batch", "steps", "k", "devices"):
@@ -93,6 +99,10 @@ class BenchArgs:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.inference_steps < 0:
+            raise ValueError(f"--inference-steps must be >= 0, got {self.inference_steps}")
+        if not self.inference_rate > 0:
+            raise ValueError(f"--inference-rate must be > 0, got {self.inference_rate}")
         if self.ff_width < 1:
             raise ValueError(f"--ff-width must be >= 1, got {self.ff_width}")
         if self.width % self.heads:
@@ -231,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated variants: fused,fused_run,unfused,backprop (the default), "
         "fused_scan,fused_run_scan (blocks always scanned), fused_unrolled,fused_run_unrolled "
         "(blocks a tuple, unrolled), fused_guards,fused_unguarded (every step guard on, or "
-        "none: their cost); fused and fused_run use build_gpt's scan='auto' (the "
+        "none: their cost), fused_iterative,fused_run_iterative (the feed-forwards learn by "
+        "iterative inference); fused and fused_run use build_gpt's scan='auto' (the "
         "sweep's default is fused_scan,fused_unrolled); the probes peak and "
         "donation may be named too (--variants donation runs the donation probe alone)",
     )
@@ -280,6 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", type=lambda s: "bfloat16" if s == "bf16" else s, default=d.dtype,
         help="compute dtype of the fused step and the twin: float32, or bfloat16 (bf16): "
         "activations and matrix products in bfloat16, weights and optimiser state float32",
+    )
+    p.add_argument(
+        "--inference-steps", type=int, default=d.inference_steps,
+        help="relaxation steps of the iterative variants' feed-forwards (default 8)",
+    )
+    p.add_argument(
+        "--inference-rate", type=float, default=d.inference_rate,
+        help="step size of the iterative variants' relaxation (default 0.1)",
     )
     # A measuring process: reads its task and the parent's BenchArgs from stdin (_workers).
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fusedpc.bench._args import BenchArgs
+from fusedpc.bench._args import ITERATIVE_VARIANTS, BenchArgs
 from fusedpc.bench._report import config_fields
 from fusedpc.bench._setup import prepare_variant, variant_blocks_form
 
@@ -215,6 +215,10 @@ def variant_row(
         **(
             {"blocks_form": variant_blocks_form(variant, blocks)}
             if variant.startswith("fused") else {}
+        ),
+        **(
+            {"inference_steps": args.inference_steps, "inference_rate": args.inference_rate}
+            if variant in ITERATIVE_VARIANTS else {}
         ),
         **device_info(),
         **config_fields(args, blocks),

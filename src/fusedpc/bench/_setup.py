@@ -10,6 +10,7 @@ from fusedpc.bench._args import (
     CADENCE_VARIANTS,
     CALIBRATED_VARIANTS,
     FUSED_VARIANTS,
+    ITERATIVE_VARIANTS,
     RUN_VARIANTS,
     SCANNED_VARIANTS,
     UNROLLED_VARIANTS,
@@ -95,24 +96,31 @@ class Setup:
             k_targets, run_shape, 0, args.vocab, dtype=jnp.int32
         )
 
-    def config(self, scan: bool | str):
-        """The `GPTConfig` of these settings with blocks run per `scan`."""
+    def config(self, scan: bool | str, iterative: bool = False):
+        """The `GPTConfig` of these settings with blocks run per `scan`; with `iterative`, the
+        feed-forwards learn by iterative inference (`--inference-steps`, `--inference-rate`)."""
         import fusedpc
 
         args = self.args
+        kind: dict[str, Any] = {}
+        if iterative:
+            kind = {"learning_kind": "iterative", "learning_kwargs": {
+                "inference_steps": args.inference_steps, "inference_rate": args.inference_rate,
+            }}
         return fusedpc.GPTConfig(
             vocab_size=args.vocab, width=args.width, n_heads=args.heads, n_blocks=self.blocks,
             ff_width=args.ff_width, max_len=args.seq, learn=args.learning, scan=scan,
-            compute_dtype=args.dtype,
+            compute_dtype=args.dtype, **kind,
         )
 
-    def build(self, scan: bool | str, rate_multiplier: bool = False):
+    def build(self, scan: bool | str, rate_multiplier: bool = False, iterative: bool = False):
         """`(config, part, reference)`: the config and `fusedpc.build_gpt`'s part and twin;
-        with `rate_multiplier`, the optimiser carries one (`with_rate_multiplier`)."""
+        with `rate_multiplier`, the optimiser carries one (`with_rate_multiplier`); with
+        `iterative`, the feed-forwards are `IterativeNetwork`s."""
         import fusedpc
         from fusedpc.training import with_rate_multiplier
 
-        config = self.config(scan)
+        config = self.config(scan, iterative)
         optimiser = with_rate_multiplier(self.optimiser) if rate_multiplier else self.optimiser
         part, reference = fusedpc.build_gpt(config, optimiser, self.model_key)
         return config, part, reference
@@ -122,7 +130,8 @@ class Setup:
         import fusedpc
 
         config, part, _ = self.build(
-            scan=variant_scan(variant), rate_multiplier=variant in CALIBRATED_VARIANTS
+            scan=variant_scan(variant), rate_multiplier=variant in CALIBRATED_VARIANTS,
+            iterative=variant in ITERATIVE_VARIANTS,
         )
         guards: dict[str, Any] = {"nonfinite": self.args.nonfinite}
         if variant == "fused_guards":  # loose bounds: every rule computed, nothing skipped

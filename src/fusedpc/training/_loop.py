@@ -19,8 +19,9 @@ into its folder:
   (`ProbeResult.record()`);
 * `checkpoint.fpc`: `pipeline.save(path, metadata)` with the config, the tokeniser, the data
   position, the step and the elapsed time;
-* `loss.png`, `update_norm.png`, `update_ratio.png`, and with `calibrate`
-  `rate_multipliers.png` (see `fusedpc.training._plots`).
+* `loss.png`, `update_norm.png`, `update_ratio.png`, with `calibrate`
+  `rate_multipliers.png`, and with `learning_kind="iterative"` `energy.png` (see
+  `fusedpc.training._plots`).
 
 Resuming (`resume_from=`) reloads the checkpoint and the data position; batch `k` of the run
 depends only on `(seed, k)` (see `fusedpc.training.data.BatchIterator`), so a resumed run draws the

@@ -1,4 +1,5 @@
-"""PNG plots of a training log: loss curves, and per-part update norms and update/weight ratios.
+"""PNG plots of a training log: loss curves, per-part update norms and update/weight ratios,
+and the energies of iterative-inference parts.
 
 The plots are drawn with matplotlib's object-oriented API on an Agg canvas (no `pyplot`, no
 global backend change), so they work headless and never disturb a notebook's own figures.
@@ -206,8 +207,9 @@ def _colours(n: int) -> list:
 def render_all(
     records: list[dict[str, Any]], folder: str | os.PathLike, target: float | None = None
 ) -> list[Path]:
-    """`loss.png`, `update_norm.png` and `update_ratio.png` in `folder`, and
-    `rate_multipliers.png` when the log has `rates` records; returns their paths.
+    """`loss.png`, `update_norm.png` and `update_ratio.png` in `folder`,
+    `rate_multipliers.png` when the log has `rates` records, and `energy.png` when report rows
+    carry energies (iterative-inference parts); returns their paths.
 
     `target` draws the target update/weight ratio as a dashed line on `update_ratio.png`.
     """
@@ -219,4 +221,7 @@ def render_all(
                                    target if key == "update_ratio" else None))
     if any(r.get("kind") == "rates" for r in records):
         paths.append(plot_rates(records, folder / "rate_multipliers.png"))
+    if any(r.get("kind") == "report" and "energy_after" in r for r in records):
+        paths.append(plot_per_part(records, "energy_after", folder / "energy.png",
+                                   "energy after relaxation F (mean over rows)"))
     return paths

@@ -9,7 +9,8 @@ Scalars, by record kind:
 
 * `train`: `train/loss`, `train/lr`;
 * `eval`: `eval/val_loss`, `eval/val_perplexity`;
-* `report`: `report/<part>/update_norm`, `error_norm`, `weight_norm` and `update_ratio`;
+* `report`: `report/<part>/update_norm`, `error_norm`, `weight_norm` and `update_ratio`, and
+  an iterative-inference part's `energy_before` and `energy_after`;
 * `skip`: `train/skipped` (1 at each step not committed).
 """
 
@@ -23,7 +24,9 @@ TENSORBOARD_DIR = "tensorboard"
 TENSORBOARD_MISSING = (
     "--tensorboard needs tensorboardX; install it with pip install 'fusedpc[tensorboard]'"
 )
-REPORT_FIELDS = ("update_norm", "error_norm", "weight_norm", "update_ratio")
+REPORT_FIELDS = (
+    "update_norm", "error_norm", "weight_norm", "update_ratio", "energy_before", "energy_after",
+)
 
 
 class TensorBoardSink:
