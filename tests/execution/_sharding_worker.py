@@ -45,14 +45,15 @@ def batches() -> tuple[np.ndarray, np.ndarray]:
     return xs, ts
 
 
-def build():
+def build(**learning):
     import jax
     import optax
 
     import fusedpc
 
     config = fusedpc.GPTConfig(
-        vocab_size=VOCAB, width=16, n_heads=2, n_blocks=2, ff_width=32, max_len=SEQ, learn="all"
+        vocab_size=VOCAB, width=16, n_heads=2, n_blocks=2, ff_width=32, max_len=SEQ, learn="all",
+        **learning,
     )
     part, _ = fusedpc.build_gpt(config, optax.adam(1e-2), jax.random.key(0))
     return part, config
@@ -210,6 +211,20 @@ def mode_mesh() -> dict:
     )
 
     out["checkpoint"] = checkpoints(part, config, xs, ts, single, sharded)
+
+    # Iterative inference in every feed-forward: sharded steps against single-device steps.
+    iterative, config = build(learning_kind="iterative",
+                              learning_kwargs={"inference_steps": 3, "inference_rate": 0.2})
+    alone = fusedpc.FusedPipeline(iterative, config.error_fn)
+    spread = fusedpc.FusedPipeline(iterative, config.error_fn, mesh=_sharding.data_mesh())
+    for k in range(STEPS):
+        alone.step(xs[k], ts[k])
+        spread.step(xs[k], ts[k])
+    out["iterative_errors"] = errors(spread.state, alone.state)
+    out["iterative_energies"] = [
+        (row["energy_before"], row["energy_after"]) for row in spread.report()
+        if "energy_after" in row
+    ]
     return out
 
 

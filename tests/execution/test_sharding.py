@@ -140,6 +140,13 @@ def test_sharded_steps_equal_single_device_steps(mesh_result):
     assert r["predict_error"] <= RTOL
 
 
+def test_iterative_feed_forwards_shard_like_every_part(mesh_result):
+    r = mesh_result
+    _assert_close(r["iterative_errors"], "iterative GPT: 5 sharded vs 5 single-device steps")
+    assert len(r["iterative_energies"]) == 2  # one feed-forward per block
+    assert all(0 < after < before for before, after in r["iterative_energies"])
+
+
 def test_sharded_run_equals_single_device_steps(mesh_result):
     r = mesh_result
     assert r["run_steps"] == 5

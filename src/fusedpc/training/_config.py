@@ -307,11 +307,6 @@ class TrainConfig:
                     f"inference_rate must be a positive number, got "
                     f"{settings['inference_rate']!r}."
                 )
-            if model.feed_forward != "gelu":
-                raise ValueError(
-                    "learning_kind 'iterative' relaxes the feed-forwards' hidden layer, which "
-                    f"needs feed_forward='gelu', got {model.feed_forward!r}."
-                )
         if model.learning_kind == SYNAPTIC and settings["window"] < 1:
             raise ValueError(
                 "learning_kind 'synaptic_uncertainty' needs window >= 1 (the number of steps "

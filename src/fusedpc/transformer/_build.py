@@ -191,6 +191,11 @@ def _learning_slots(
             "learning_kwargs": learning_kwargs,
         }
 
+    if iterative and "feed_forward" not in learn:
+        raise ValueError(
+            "hybrid_from_gpt: learning_kind='iterative' makes the learning feed-forwards relax, "
+            f"but learn has no 'feed_forward' (slots {sorted(learn)})."
+        )
     parts: dict[str, Any] = {}
     if "feed_forward" in learn:
         if iterative and isinstance(gpt.blocks[0].ff, SwiGLU):
@@ -496,6 +501,24 @@ class GPTConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}."
+                )
+        if self.learning_kind not in GPT_LEARNING_KINDS:
+            raise ValueError(
+                f"GPTConfig.learning_kind must be one of {GPT_LEARNING_KINDS}, got "
+                f"{self.learning_kind!r}."
+            )
+        if self.learning_kind == ITERATIVE:
+            if self.feed_forward != "gelu":
+                raise ValueError(
+                    "GPTConfig: learning_kind='iterative' relaxes the hidden layer of each "
+                    "feed-forward (linear, GELU, linear), which needs feed_forward='gelu', got "
+                    f"{self.feed_forward!r}."
+                )
+            if "feed_forward" not in self.learning_slots():
+                raise ValueError(
+                    "GPTConfig: learning_kind='iterative' makes the learning feed-forwards "
+                    f"relax, but learn={self.learn!r} has no 'feed_forward'; add it (or the "
+                    "preset 'all' or 'ff_head')."
                 )
         if self.positions == "rotary" and (self.width // self.n_heads) % 2:
             raise ValueError(

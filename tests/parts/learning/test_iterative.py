@@ -449,6 +449,37 @@ def test_gpt_iterative_settings_are_checked():
                                feed_forward="swiglu")
     with pytest.raises(ValueError, match="feed_forward='gelu'"):
         fusedpc.build_gpt(config, optax.adam(1e-2), jax.random.key(3))
-    config = fusedpc.GPTConfig(**TINY_GPT, learning_kind="relaxed")
-    with pytest.raises(ValueError, match="unknown learning_kind 'relaxed'"):
+    config = fusedpc.GPTConfig(**TINY_GPT, learn="attention,head", learning_kind="iterative")
+    with pytest.raises(ValueError, match="has no 'feed_forward'"):
         fusedpc.build_gpt(config, optax.adam(1e-2), jax.random.key(3))
+    reference = fusedpc.transformer.reference.GPT(11, 16, 2, 1, 32, 8, key=jax.random.key(4))
+    with pytest.raises(ValueError, match="learn has no 'feed_forward'"):
+        fusedpc.hybrid_from_gpt(reference, learn={"head": optax.sgd(0.1)},
+                                learning_kind="iterative")
+    config = fusedpc.GPTConfig(**TINY_GPT, learning_kind="relaxed")
+    with pytest.raises(ValueError, match="learning_kind must be one of"):
+        fusedpc.build_gpt(config, optax.adam(1e-2), jax.random.key(3))
+
+
+def test_padding_is_exact_where_the_step_is_linear_in_the_error():
+    """A row mask scales the real rows' errors by R / (real rows) so that row means are over
+    the real rows (the executor's rule). Under fixed prediction the relaxation is linear in
+    the error, so a padded step equals the step on the real rows alone; with moving
+    predictions it is not linear, and the padded step differs (docs/iterative.md)."""
+    x, y = normal(90, (6, 4)), normal(91, (6, 3))
+    x_pad = jnp.concatenate([x, jnp.zeros((2, 4))])
+    y_pad = jnp.concatenate([y, jnp.zeros((2, 3))])
+    mask = np.arange(8) < 6
+    for fixed, exact in ((True, True), (False, False)):
+        part = IterativeNetwork(network([4, 6, 6, 3], "tanh", seed=92), capture_gradients(),
+                                inference_steps=4, inference_rate=0.3, fixed_prediction=fixed)
+        alone, padded = FusedPipeline(part), FusedPipeline(part)
+        alone.step(x, y)
+        padded.step(x_pad, y_pad, mask=mask)
+        distance = max(norm_rel_error(a, b) for a, b in zip(
+            jax.tree_util.tree_leaves(padded.state.opt_state),
+            jax.tree_util.tree_leaves(alone.state.opt_state), strict=True))
+        if exact:
+            assert distance <= PARITY_TOLERANCE, distance
+        else:
+            assert distance > 1e-4, distance
