@@ -127,11 +127,14 @@ def test_settings_are_checked_when_built():
 def test_iterative_variants_run_beside_the_single_sweep_step(capsys):
     # --learning all: the feed-forwards learn, so they are IterativeNetworks relaxing T steps
     argv = [*MICRO, "--in-process", "--no-donate-probe", "--learning", "all", "--variants",
-            "fused,fused_iterative,fused_run_iterative", "--inference-steps", "3"]
+            "fused,fused_iterative,fused_run_iterative,fused_iterative_T5", "--inference-steps",
+            "3"]
     assert bench.main(argv) == 0
     rows, _ = _rows(capsys)
     by_variant = {r["variant"]: r for r in rows}
-    assert set(by_variant) == {"fused", "fused_iterative", "fused_run_iterative"}
+    assert set(by_variant) == {"fused", "fused_iterative", "fused_run_iterative",
+                               "fused_iterative_T5"}
+    assert by_variant["fused_iterative_T5"]["inference_steps"] == 5  # T from its name
     for row in by_variant.values():
         assert row["step_ms"] > 0 and row["tokens_per_s"] > 0
     assert by_variant["fused_run_iterative"]["steps_per_call"] == 2
@@ -144,3 +147,5 @@ def test_bad_inference_settings_are_refused():
         bench.BenchArgs(inference_steps=-1)
     with pytest.raises(ValueError, match="--inference-rate must be > 0"):
         bench.BenchArgs(inference_rate=0.0)
+    with pytest.raises(ValueError, match="unknown variants"):
+        bench.BenchArgs(variants=("fused_iterative_Tx",))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from typing import Any
 
 from fusedpc.training import HOST_MEMORY_MODES, OPTIMISERS
@@ -49,7 +50,27 @@ ALL_VARIANTS = (
     VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + GUARD_VARIANTS + CADENCE_VARIANTS
     + CALIBRATED_VARIANTS + ITERATIVE_VARIANTS + PROBES
 )
-"""Every name `--variants` accepts."""
+"""Every name `--variants` accepts, besides the iterative variants at a given T
+(`fused_iterative_T16`, `fused_run_iterative_T16`: see `base_variant`)."""
+
+_AT_STEPS = re.compile(r"(fused(?:_run)?_iterative)_T([0-9]+)")
+
+
+def base_variant(variant: str) -> str:
+    """The variant a name measures: `fused_iterative_T16` (T = 16, whatever
+    `--inference-steps` says) is `fused_iterative`; every other name is itself. Naming several
+    T in one run (`fused_iterative_T4,fused_iterative_T16`) measures the cost as a function of
+    T, side by side."""
+    match = _AT_STEPS.fullmatch(variant)
+    return match.group(1) if match else variant
+
+
+def variant_inference_steps(variant: str, default: int) -> int | None:
+    """T of an iterative variant (from its name, else `default`); None for the others."""
+    match = _AT_STEPS.fullmatch(variant)
+    if match:
+        return int(match.group(2))
+    return default if variant in ITERATIVE_VARIANTS else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +134,7 @@ class BenchArgs:
             raise ValueError(f"--blocks must be integers >= 1, got {list(self.blocks)}")
         if not self.peak_sizes or any(n < 1 for n in self.peak_sizes):
             raise ValueError(f"--peak-sizes must be integers >= 1, got {list(self.peak_sizes)}")
-        unknown = [v for v in self.variants if v not in ALL_VARIANTS]
+        unknown = [v for v in self.variants if base_variant(v) not in ALL_VARIANTS]
         if unknown or not self.variants:
             raise ValueError(
                 f"unknown variants {unknown or list(self.variants)}; choose from "
@@ -195,7 +216,7 @@ def _int_list(text: str) -> list[int]:
 
 def _variant_list(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = [v for v in values if v not in ALL_VARIANTS]
+    unknown = [v for v in values if base_variant(v) not in ALL_VARIANTS]
     if unknown or not values:
         raise argparse.ArgumentTypeError(
             f"unknown variants {unknown or values}; choose from {', '.join(ALL_VARIANTS)}"
@@ -242,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fused_scan,fused_run_scan (blocks always scanned), fused_unrolled,fused_run_unrolled "
         "(blocks a tuple, unrolled), fused_guards,fused_unguarded (every step guard on, or "
         "none: their cost), fused_iterative,fused_run_iterative (the feed-forwards learn by "
-        "iterative inference); fused and fused_run use build_gpt's scan='auto' (the "
+        "iterative inference; fused_iterative_T16 at T = 16, several T side by side); fused "
+        "and fused_run use build_gpt's scan='auto' (the "
         "sweep's default is fused_scan,fused_unrolled); the probes peak and "
         "donation may be named too (--variants donation runs the donation probe alone)",
     )

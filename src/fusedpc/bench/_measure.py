@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fusedpc.bench._args import ITERATIVE_VARIANTS, BenchArgs
+from fusedpc.bench._args import BenchArgs, variant_inference_steps
 from fusedpc.bench._report import config_fields
 from fusedpc.bench._setup import prepare_variant, variant_blocks_form
 
@@ -217,8 +217,9 @@ def variant_row(
             if variant.startswith("fused") else {}
         ),
         **(
-            {"inference_steps": args.inference_steps, "inference_rate": args.inference_rate}
-            if variant in ITERATIVE_VARIANTS else {}
+            {"inference_steps": steps, "inference_rate": args.inference_rate}
+            if (steps := variant_inference_steps(variant, args.inference_steps)) is not None
+            else {}
         ),
         **device_info(),
         **config_fields(args, blocks),

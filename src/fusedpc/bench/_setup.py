@@ -10,11 +10,12 @@ from fusedpc.bench._args import (
     CADENCE_VARIANTS,
     CALIBRATED_VARIANTS,
     FUSED_VARIANTS,
-    ITERATIVE_VARIANTS,
     RUN_VARIANTS,
     SCANNED_VARIANTS,
     UNROLLED_VARIANTS,
     BenchArgs,
+    base_variant,
+    variant_inference_steps,
 )
 
 
@@ -96,16 +97,17 @@ class Setup:
             k_targets, run_shape, 0, args.vocab, dtype=jnp.int32
         )
 
-    def config(self, scan: bool | str, iterative: bool = False):
-        """The `GPTConfig` of these settings with blocks run per `scan`; with `iterative`, the
-        feed-forwards learn by iterative inference (`--inference-steps`, `--inference-rate`)."""
+    def config(self, scan: bool | str, inference_steps: int | None = None):
+        """The `GPTConfig` of these settings with blocks run per `scan`; with
+        `inference_steps`, the feed-forwards learn by iterative inference (that many steps at
+        `--inference-rate`)."""
         import fusedpc
 
         args = self.args
         kind: dict[str, Any] = {}
-        if iterative:
+        if inference_steps is not None:
             kind = {"learning_kind": "iterative", "learning_kwargs": {
-                "inference_steps": args.inference_steps, "inference_rate": args.inference_rate,
+                "inference_steps": inference_steps, "inference_rate": args.inference_rate,
             }}
         return fusedpc.GPTConfig(
             vocab_size=args.vocab, width=args.width, n_heads=args.heads, n_blocks=self.blocks,
@@ -113,25 +115,31 @@ class Setup:
             compute_dtype=args.dtype, **kind,
         )
 
-    def build(self, scan: bool | str, rate_multiplier: bool = False, iterative: bool = False):
+    def build(
+        self, scan: bool | str, rate_multiplier: bool = False,
+        inference_steps: int | None = None,
+    ):
         """`(config, part, reference)`: the config and `fusedpc.build_gpt`'s part and twin;
         with `rate_multiplier`, the optimiser carries one (`with_rate_multiplier`); with
-        `iterative`, the feed-forwards are `IterativeNetwork`s."""
+        `inference_steps`, the feed-forwards are `IterativeNetwork`s relaxing that many
+        steps."""
         import fusedpc
         from fusedpc.training import with_rate_multiplier
 
-        config = self.config(scan, iterative)
+        config = self.config(scan, inference_steps)
         optimiser = with_rate_multiplier(self.optimiser) if rate_multiplier else self.optimiser
         part, reference = fusedpc.build_gpt(config, optimiser, self.model_key)
         return config, part, reference
 
     def pipeline(self, variant: str):
-        """The `FusedPipeline` of a fused variant."""
+        """The `FusedPipeline` of a fused variant (an iterative one at its T: `base_variant`)."""
         import fusedpc
 
+        steps = variant_inference_steps(variant, self.args.inference_steps)
+        variant = base_variant(variant)
         config, part, _ = self.build(
             scan=variant_scan(variant), rate_multiplier=variant in CALIBRATED_VARIANTS,
-            iterative=variant in ITERATIVE_VARIANTS,
+            inference_steps=steps,
         )
         guards: dict[str, Any] = {"nonfinite": self.args.nonfinite}
         if variant == "fused_guards":  # loose bounds: every rule computed, nothing skipped
@@ -173,9 +181,9 @@ def prepare_variant(args: BenchArgs, variant: str, blocks: int) -> tuple[Callabl
     from fusedpc.transformer.reference import make_backprop_step
 
     setup = Setup(args, blocks)
-    if variant in FUSED_VARIANTS:
+    if base_variant(variant) in FUSED_VARIANTS:
         pipeline = setup.pipeline(variant)
-        if variant in RUN_VARIANTS:
+        if base_variant(variant) in RUN_VARIANTS:
             every = args.k if variant in CADENCE_VARIANTS else None
 
             def run_call(i: int) -> Any:
