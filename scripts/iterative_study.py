@@ -5,7 +5,8 @@ Every run trains the default GPT of `fusedpc train` (width 64, 4 heads, 2 blocks
 256, 64 tokens per row, batch 16, every weight learning, Adam 3e-3) for `--steps` steps on the
 same batches per seed, and is scored on the same held-out windows (the text's last 10 %):
 
-* `backprop_twin`: the reference GPT trained by `jax.grad` (`make_backprop_step`);
+* `backprop_twin`: the reference GPT trained by `jax.grad` (`make_backprop_step`), one
+  compiled call per step (the fused runs make one per `--per-call` steps);
 * `precision_weighted`: the single-sweep exact step (backprop's gradients, fused);
 * `standard`: the single-sweep confidence-scaled step;
 * `iterative_T<T>` (with `--rates` other than the default, `iterative_T<T>_rate<r>`): every
@@ -108,19 +109,18 @@ def twin_run(vocab: int, seed: int, train: np.ndarray, val, steps: int, lr: floa
     optimiser = make_optimiser("adam", lr)
     opt_state = optimiser.init(eqx.filter(model, eqx.is_array))
     batches = data.BatchIterator(train, BATCH, MODEL["max_len"], seed=seed)
-    losses = []
-    timed_s, first_s = 0.0, 0.0
-    for i in range(steps):
-        x, y = batches.next_batch()
-        start = time.perf_counter()
-        model, opt_state, loss = step(model, opt_state, x, y)
-        loss = float(loss)
-        elapsed = time.perf_counter() - start
-        if i == 0:
-            first_s = elapsed
-        else:
-            timed_s += elapsed
-        losses.append(loss)
+    xs, ys = batches.next_batches(steps)  # drawn up front, as `run` gets its K batches
+    start = time.perf_counter()
+    model, opt_state, loss = step(model, opt_state, xs[0], ys[0])
+    losses = [float(loss)]
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    on_device = []
+    for i in range(1, steps):  # no host sync per step: the losses are read at the end
+        model, opt_state, loss = step(model, opt_state, xs[i], ys[i])
+        on_device.append(loss)
+    losses.extend(float(v) for v in jax.device_get(on_device))
+    timed_s = time.perf_counter() - start
     return {
         "val_loss": held_out_loss(lambda x: _forward(model, x), *val),
         "train_loss": float(np.mean(losses[-50:])),
