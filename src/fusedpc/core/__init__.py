@@ -16,6 +16,8 @@ from fusedpc.core._checks import expect_last_axis as expect_last_axis
 from fusedpc.core._checks import expect_rank as expect_rank
 from fusedpc.core._checks import id_range_check as id_range_check
 from fusedpc.core._checks import lookup_rows as lookup_rows
+from fusedpc.core._error_scale import error_scale as error_scale
+from fusedpc.core._error_scale import error_scaled_by as error_scaled_by
 from fusedpc.core._metrics import AbstractMetrics as AbstractMetrics
 from fusedpc.core._metrics import FiniteFlag as FiniteFlag
 from fusedpc.core._metrics import Named as Named

@@ -25,6 +25,7 @@ carries, outs = jax.jit(jax.vmap(program.step))(carries, xs, targets)  # xs: (se
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from fusedpc.core import losses as _losses
 from fusedpc.core._checks import IdRangeCheck, check_part, id_range_check
+from fusedpc.core._error_scale import error_scaled_by
 from fusedpc.core._gradients import clip_gradients, collect_gradient_squares
 from fusedpc.core._metrics import (
     PartMetrics,
@@ -411,12 +413,15 @@ class StepProgram:
         checks = self.input_checks(x, target, int(jnp.shape(y)[-1]))
         error = self.error_fn.error(y, target)
         weights = None
+        scaled: Any = contextlib.nullcontext()
         if mask is not None:
             error, weights = apply_row_mask(error, mask)
+            # what the mask scaled every real row by, for parts not linear in their error
+            scaled = error_scaled_by(weights.size / jnp.sum(weights))
         elif self.error_normalisation == "active":
             error = normalise_active(error)
         detailed = bool(detailed) or self.max_update_ratio is not None
-        with detailed_reports(detailed):
+        with detailed_reports(detailed), scaled:
             input_error, new_state, part_metrics = self._backward(state, cache, error)
         loss = self._loss(y, target, weights)
 

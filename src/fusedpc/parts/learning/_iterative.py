@@ -43,7 +43,8 @@ optax optimiser. **Input error** (per row): $g_0'(x) \\odot (e_1 W_0)$, the rela
 input-layer error.
 
 The $T$ steps are one `lax.scan` inside the backward: the compiled program and its memory do
-not grow with $T$.
+not grow with $T$. Under a row mask the relaxation runs on the real rows' own errors
+(`fusedpc.core.error_scale`), so a padded step is the step on the real rows alone.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fusedpc.core._error_scale import error_scale
 from fusedpc.core._metrics import PartMetrics, learning_metrics, reports_detailed
 from fusedpc.core._part import AbstractPart, Core, LinearParams, PyTree, replace_fields
 from fusedpc.core._precision import matmul, weight_gradient, widened
@@ -239,7 +241,13 @@ class IterativeNetwork(AbstractPart):
 
         def backward(state: LearningNetworkState, cache: NetworkCache, error):
             lead = error.shape[:-1]
+            # A row mask scales every error by s (error_scale): the relaxation, which is not
+            # linear in the error, runs on the real rows' own; what it learns from and hands
+            # on is scaled back, so the masked step is the real rows' step.
+            scale = error_scale()
             clamp = -widened(error.reshape(-1, net.sizes[-1]))  # delta_L: the output clamp
+            if scale is not None:
+                clamp = clamp / scale
             n_rows = clamp.shape[0]
             w, b = state.params.weights, state.params.biases
             pis = state.precisions  # pi_1 .. pi_L
@@ -315,6 +323,8 @@ class IterativeNetwork(AbstractPart):
             child = list(final)
             for l, c in zip(inner, captured):
                 child[l] = c
+            if scale is not None:
+                child = [c * scale for c in child]
 
             grads_w: list[Any] = [None] * n_mats
             grads_b: list[Any] = [None] * n_mats
@@ -326,7 +336,7 @@ class IterativeNetwork(AbstractPart):
                 grads_w[l] = weight_gradient(child[l], parent) / n_rows
                 if b[l] is not None:
                     grads_b[l] = jnp.sum(child[l], axis=0) / n_rows
-            input_error = matmul(final[0], w[0])
+            input_error = matmul(final[0] if scale is None else final[0] * scale, w[0])
             if not input_is_identity:
                 input_error = acts[0].first(cast(jax.Array, cache.x)) * input_error
             params, opt_state = state.params, state.opt_state
@@ -339,6 +349,10 @@ class IterativeNetwork(AbstractPart):
             if reports_detailed():
                 before = 0.5 * jnp.sum(pis[-1] * clamp * clamp) / n_rows
                 after = energy(final)
+                if scale is not None:  # the mean over the real rows
+                    before, after = before * scale, after * scale
+                    if trajectory is not None:
+                        trajectory = trajectory * scale
             else:
                 before = after = jnp.full((), jnp.nan, jnp.float32)
                 if trajectory is not None:
