@@ -65,6 +65,8 @@ from fusedpc.parts.learning._learning import (
     LearningNetworkState,
     NetworkCache,
     NetworkParams,
+    network_params,
+    network_records,
     prediction_sweep,
 )
 from fusedpc.parts.learning._local_update import optax_step, resolve_learning
@@ -201,21 +203,11 @@ class IterativeNetwork(AbstractPart):
 
     def export_arrays(self, path: str = "") -> tuple[LinearParams, ...]:
         """One `LinearParams(weights[l], biases[l])` per matrix, input side first."""
-        if self.network.weights is None:
-            raise TypeError(
-                f"{path or '<root>'}: IterativeNetwork has no weights to export yet (they are "
-                "drawn when the state is initialised); export pipeline.merge() instead."
-            )
-        biases = cast(tuple[jax.Array | None, ...], self.network.biases)  # set with weights
-        return tuple(LinearParams(w, b) for w, b in zip(self.network.weights, biases))
+        return network_records("IterativeNetwork", self.network, path)
 
     def init_state(self, key: jax.Array) -> LearningNetworkState:
         net = self.network
-        if net.weights is None:
-            weights, biases = net.initial_arrays(key)
-        else:
-            weights, biases = net.weights, cast(tuple[jax.Array | None, ...], net.biases)
-        params = NetworkParams(tuple(weights), tuple(biases))
+        params = network_params(net, key)
         opt_state = self.opt_state
         if opt_state is None and self.optimiser is not None:
             opt_state = self.optimiser.init(params)

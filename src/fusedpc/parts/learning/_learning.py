@@ -116,6 +116,29 @@ def prediction_sweep(
     return sweep
 
 
+def network_records(owner: str, network: PCNetwork, path: str) -> tuple[LinearParams, ...]:
+    """The network's weights and biases as `LinearParams` records, input side first; a
+    `TypeError` naming `path` and the `owner` part type for a network whose weights are drawn
+    at `init_state`."""
+    if network.weights is None:
+        raise TypeError(
+            f"{path or '<root>'}: {owner} has no weights to export yet (they are "
+            "drawn when the state is initialised); export pipeline.merge() instead."
+        )
+    biases = cast(tuple[jax.Array | None, ...], network.biases)  # set with the weights
+    return tuple(LinearParams(w, b) for w, b in zip(network.weights, biases))
+
+
+def network_params(network: PCNetwork, key: jax.Array) -> NetworkParams:
+    """The network's weights and biases, drawn from `key` when it has none."""
+    if network.weights is None:
+        weights, biases = network.initial_arrays(key)
+    else:
+        # a network given its weights holds its biases too
+        weights, biases = network.weights, cast(tuple[jax.Array | None, ...], network.biases)
+    return NetworkParams(tuple(weights), tuple(biases))
+
+
 class LearningNetworkState(eqx.Module):
     """State of a `LearningNetwork`.
 
@@ -201,22 +224,11 @@ class LearningNetwork(AbstractPart):
     def export_arrays(self, path: str = "") -> tuple[LinearParams, ...]:
         """One `LinearParams(weights[l], biases[l])` per matrix, input side first (the
         network's given arrays; a network drawn at `init_state` has none to export)."""
-        if self.network.weights is None:
-            raise TypeError(
-                f"{path or '<root>'}: LearningNetwork has no weights to export yet (they are "
-                "drawn when the state is initialised); export pipeline.merge() instead."
-            )
-        biases = cast(tuple[jax.Array | None, ...], self.network.biases)  # set with weights
-        return tuple(LinearParams(w, b) for w, b in zip(self.network.weights, biases))
+        return network_records("LearningNetwork", self.network, path)
 
     def init_state(self, key: jax.Array) -> LearningNetworkState:
         net = self.network
-        if net.weights is None:
-            weights, biases = net.initial_arrays(key)
-        else:
-            # a network given its weights holds its biases too
-            weights, biases = net.weights, cast(tuple[jax.Array | None, ...], net.biases)
-        params = NetworkParams(tuple(weights), tuple(biases))
+        params = network_params(net, key)
         opt_state = self.opt_state
         if opt_state is None and self.optimiser is not None:
             opt_state = self.optimiser.init(params)
@@ -358,5 +370,7 @@ __all__ = [
     "LearningNetworkState",
     "NetworkCache",
     "NetworkParams",
+    "network_params",
+    "network_records",
     "prediction_sweep",
 ]
