@@ -15,6 +15,7 @@ Oracles:
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import equinox as eqx
@@ -499,3 +500,14 @@ def test_a_padded_step_is_the_step_on_the_real_rows():
             off = max(norm_rel_error(b / s, a) for a, b in zip(
                 grads_alone, jax.tree_util.tree_leaves(scaled.state.opt_state)))
             assert off > 1e-3, off
+
+
+def test_the_docs_example_runs_and_its_relaxation_lowers_the_energy(capsys):
+    text = (Path(__file__).resolve().parents[3] / "docs" / "iterative.md").read_text()
+    match = re.search(r"<!-- example: iterative -->\s*```python\n(.*?)```", text, re.DOTALL)
+    assert match, "docs/iterative.md lost its `<!-- example: iterative -->` code block"
+    namespace: dict = {}
+    exec(compile(match.group(1), "docs/iterative.md", "exec"), namespace)  # noqa: S102
+    row = namespace["row"]
+    assert 0 < row["energy_after"] < row["energy_before"]
+    assert "energy" in capsys.readouterr().out
