@@ -20,7 +20,7 @@ def _run(name: str) -> dict:
 
 def test_every_notebook_is_tested():
     tested = {"01_build_a_hybrid_tree.py", "02_swap_gpt_slots.py", "03_calibrate_rates.py",
-              "04_convolution.py"}
+              "04_convolution.py", "05_iterative_inference.py"}
     assert {p.name for p in NOTEBOOKS.glob("*.py")} == tested
 
 
@@ -83,3 +83,15 @@ def test_04_convolution(capsys):
     assert g["accuracy"] > g["chance"] + 0.2  # on held-out images
     assert g["kernel_gap"] < 1e-4
     assert "held-out accuracy" in capsys.readouterr().out
+
+
+def test_05_iterative_inference(capsys):
+    g = _run("05_iterative_inference.py")
+    assert g["zil_gap"] < 1e-5  # Z-IL: the backprop gradient
+    gaps = g["fixed_gaps"]
+    assert all(b < a for a, b in zip(gaps, gaps[1:])) and gaps[-1] < 1e-5  # converges in T
+    assert gaps[0] > 0.1  # and is far from it at T = 1: the comparison can fail
+    assert np.all(np.diff(g["trajectory"]) < 0)  # the relaxation lowers the energy
+    assert g["final_loss"] < 0.5 * g["initial_loss"]  # it learns inside a tree
+    assert g["row"]["energy_after"] < g["row"]["energy_before"]
+    assert "distance to backprop" in capsys.readouterr().out
