@@ -152,6 +152,22 @@ def test_z_il_step_equals_a_backprop_step(n_matrices, activation, optimiser):
     assert norm_rel_error(dx, ref_dx) <= PARITY_TOLERANCE
 
 
+@pytest.mark.parametrize("schedule", ["z_il", "simultaneous"])
+def test_a_single_matrix_has_nothing_to_relax_and_takes_the_backprop_step(schedule):
+    """No hidden layer: whatever the schedule and the steps, the output error alone makes
+    the step, which is backprop's."""
+    net = network([5, 3], seed=11)
+    opt = optax.sgd(0.3)
+    pipeline = FusedPipeline(IterativeNetwork(net, opt, schedule=schedule, inference_rate=1.0,
+                                              inference_steps=3))
+    x, y = normal(12, (6, 5)), normal(13, (6, 3))
+    old = params_of(net)
+    ref_new, _, ref_dx = backprop_step(old, opt, x, y, "tanh")
+    _, dx = pipeline.step(x, y)
+    assert_changes_match(state_params(pipeline), ref_new, old, schedule)
+    assert norm_rel_error(dx, ref_dx) <= PARITY_TOLERANCE
+
+
 def test_z_il_classification_head_and_extra_steps():
     """A categorical head (the clamp at its logits) and more steps than hidden layers (the
     extra steps move nothing under Z-IL): still the backprop step."""

@@ -273,11 +273,14 @@ class IterativeNetwork(AbstractPart):
                 return tuple(grads)
 
             shifts = tuple(jnp.zeros_like(z) for z in z_hat)
-            inner = [l for l in range(n_mats) if capture_time[l] < steps] if z_il else []
+            relaxing = bool(steps and n_hidden)  # else nothing moves: no loop at all
+            # the weights whose gradient Z-IL reads inside the loop (the others: after it)
+            inner = ([l for l in range(n_mats) if capture_time[l] < steps]
+                     if z_il and relaxing else [])
             captured = tuple(jnp.zeros_like(clamp if l == n_hidden else z_hat[l])
                              for l in inner)
             trajectory = None
-            if steps and n_hidden:
+            if relaxing:
                 opt_init = (inference_optimiser.init(shifts)
                             if inference_optimiser is not None else None)
 
