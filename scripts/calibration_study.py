@@ -132,14 +132,27 @@ def method_probe_global(
     return {} if factor == 1.0 else dict.fromkeys(slots, factor)
 
 
+def method_probe_capped(
+    warm_up: WarmUp, base_lr: float, slots: tuple[str, ...]
+) -> dict[str, float]:
+    """`probe` without its global stage (`global_factors=()`): each slot's own trials at x0.5
+    and x2 alone, so one calibration moves a rate by x2 at most, not x4. The cap tested for
+    `synaptic_uncertainty`, whose x4 choices end far worse hundreds of steps later."""
+    result = warm_up.probe(slots, global_factors=())
+    return {s: m for s, m in result.multipliers.items() if m != 1.0}
+
+
 METHODS: dict[str, Method] = {
     "none": method_none,
     "report_rule": method_report_rule,
     "rebalance": method_rebalance,
     "probe": method_probe,
     "probe_global": method_probe_global,
+    "probe_capped": method_probe_capped,
 }
 """The calibration methods by name; add one here to have the study score it."""
+DEFAULT_METHODS = ("none", "report_rule", "rebalance", "probe", "probe_global")
+"""What `--methods` runs by default (`probe_capped` on request)."""
 
 
 # ----------------------------------------------------------------------------- settings
@@ -302,11 +315,12 @@ class Cell:
         probe_xs, probe_ys = batches.next_batches(study.probe_steps)  # what comes next
         batches.step = study.warmup
 
-        def probe(groups: tuple[str, ...], group=gpt_slot):
+        def probe(groups: tuple[str, ...], group=gpt_slot, **settings):
             self.pipeline.set_state(with_rates(warm, {}), steps=study.warmup)
             result = probe_rates(self.pipeline, probe_xs, probe_ys, groups=groups,
                                  per_call=study.per_call, group=group,
-                                 score=lambda p: batch_losses(p, *text.probe, False))
+                                 score=lambda p: batch_losses(p, *text.probe, False),
+                                 **settings)
             probes[0] += result.steps
             return result
 
@@ -509,7 +523,8 @@ def parse(argv: list[str] | None) -> tuple[Study, list[str], str]:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--presets", default=None, help="default all,ff_head (quick all)")
     p.add_argument("--optimisers", default=",".join(OPTIMISERS))
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"from {', '.join(METHODS)}")
     p.add_argument("--no-twin", action="store_true", help="leave out the backprop twin")
     p.add_argument("--lr-adam", type=float, default=BASE_LR["adam"])
     p.add_argument("--lr-sgd", type=float, default=BASE_LR["sgd"])
