@@ -92,9 +92,12 @@ PARITY_TESTS = (
     "tests/execution/test_padding.py::test_masked_step_equals_the_masked_mean_twin_on_every_head",
     "tests/execution/test_global_clip.py::test_every_step_equals_the_twin_with_clip_by_global_norm",
     "tests/execution/test_global_clip.py::test_a_gpt_with_global_clipping_follows_its_twin[True]",
+    "tests/parts/learning/test_iterative.py::test_z_il_step_equals_a_backprop_step",
+    "tests/parts/learning/test_iterative.py::test_local_updates_follow_jax_grad_of_the_energy",
 )
 """The parity claims that a backend can break, in float32: the fused step, the hand-derived
-backwards and the learning rules against `jax.vjp` or the backprop twin; 27 tests, about 120 s
+backwards and the learning rules against `jax.vjp` or the backprop twin, and iterative
+inference's Z-IL step and local updates; 32 tests, about 140 s
 on a loaded 2-core CPU, spread over `PARITY_WORKERS` processes on a GPU where pytest-xdist is
 installed. Left out: the tests of one fused form against another (scanned and unrolled, fused
 and unfused), which hold on any backend where these do, and the padding test at XLA's default
