@@ -120,12 +120,11 @@ def measure_steps(steps_list: list[int], rate: float, rounds: int, warmup: int) 
 
 def _compile_worker(steps: int, rate: float) -> dict:
     import jax
+    import optax
 
     import fusedpc
 
     config = _config(steps, rate)
-    import optax
-
     part, _ = fusedpc.build_gpt(config, optax.adam(1e-3), jax.random.key(0))
     program = fusedpc.make_step(part, config.error_fn)
     carry = program.init(jax.random.key(0))

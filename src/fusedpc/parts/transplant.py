@@ -29,7 +29,7 @@ from fusedpc.parts._gated import GatedFeedForward
 from fusedpc.parts.conv import eqx_conv_arrays
 from fusedpc.parts.learning._conv import LearningConv2d
 from fusedpc.parts.learning._embedding import LearningEmbedding, LearningLayerNorm
-from fusedpc.parts.learning._iterative import IterativeNetwork
+from fusedpc.parts.learning._iterative import RELAXATION_SETTINGS, IterativeNetwork
 from fusedpc.parts.learning._learning import LearningNetwork
 from fusedpc.parts.learning._network import PCNetwork
 from fusedpc.parts.learning._rms_norm import LearningRMSNorm
@@ -46,14 +46,15 @@ _PART_KEYS = (
 )
 
 
-def _split_learning(where: str, learning: dict, network_keys=_NETWORK_KEYS):
-    unknown = sorted(set(learning) - set(network_keys) - set(_PART_KEYS))
+def _split_learning(where: str, learning: dict, network_keys=_NETWORK_KEYS,
+                    part_keys=_PART_KEYS):
+    unknown = sorted(set(learning) - set(network_keys) - set(part_keys))
     if unknown:
         raise TypeError(
-            f"{where}: unknown keywords {unknown}; allowed: {sorted(network_keys + _PART_KEYS)}."
+            f"{where}: unknown keywords {unknown}; allowed: {sorted(network_keys + part_keys)}."
         )
     network = {k: v for k, v in learning.items() if k in network_keys}
-    part = {k: v for k, v in learning.items() if k in _PART_KEYS}
+    part = {k: v for k, v in learning.items() if k in part_keys}
     return network, part
 
 
@@ -142,15 +143,7 @@ def from_feedforward(
     return LearningNetwork(network, **part_kw)
 
 
-ITERATIVE_KEYS = (
-    "optimiser",
-    "inference_steps",
-    "inference_rate",
-    "schedule",
-    "fixed_prediction",
-    "inference_optimiser",
-    "record_energy",
-)
+ITERATIVE_KEYS = ("optimiser", *RELAXATION_SETTINGS)
 
 
 def from_feedforward_iterative(
@@ -162,14 +155,7 @@ def from_feedforward_iterative(
     `inference_optimiser`, `record_energy`, and the network's `head`, `hidden_precision`,
     `output_precision`, `input_activation`."""
     where = "from_feedforward_iterative"
-    unknown = sorted(set(iterative) - set(_NETWORK_KEYS) - set(ITERATIVE_KEYS))
-    if unknown:
-        raise TypeError(
-            f"{where}: unknown keywords {unknown}; allowed: "
-            f"{sorted(_NETWORK_KEYS + ITERATIVE_KEYS)}."
-        )
-    net_kw = {k: v for k, v in iterative.items() if k in _NETWORK_KEYS}
-    part_kw = {k: v for k, v in iterative.items() if k in ITERATIVE_KEYS}
+    net_kw, part_kw = _split_learning(where, iterative, part_keys=ITERATIVE_KEYS)
     network = _feedforward_network(where, fc1, fc2, activation, net_kw)
     return IterativeNetwork(network, **part_kw)
 
@@ -260,6 +246,7 @@ def from_swiglu(
 
 
 __all__ = [
+    "from_conv2d",
     "from_embedding",
     "from_feedforward",
     "from_feedforward_iterative",

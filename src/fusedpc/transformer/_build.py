@@ -26,6 +26,7 @@ from fusedpc.parts._attention import MIXINGS, MultiHeadAttention
 from fusedpc.parts._compose import Sequential
 from fusedpc.parts._repeat import Repeat
 from fusedpc.parts.frozen import RMSNormParams
+from fusedpc.parts.learning._iterative import RELAXATION_SETTINGS
 from fusedpc.parts.learning._local_update import LEARNING_KINDS, RateMultiplier
 from fusedpc.transformer._gpt import Blocks, GPTPart, TransformerBlock
 from fusedpc.transformer.reference import (
@@ -59,10 +60,7 @@ SLOTS = ("token", "position", "attention", "feed_forward", "norm", "head")
 ITERATIVE = "iterative"
 # every kind of a learning part, and "iterative": the feed-forwards relax (IterativeNetwork)
 GPT_LEARNING_KINDS = (*LEARNING_KINDS, ITERATIVE)
-ITERATIVE_SETTINGS = (
-    "inference_steps", "inference_rate", "schedule", "fixed_prediction", "inference_optimiser",
-    "record_energy",
-)
+ITERATIVE_SETTINGS = RELAXATION_SETTINGS  # what learning_kwargs may set for "iterative"
 LEARNING_PRESETS = {
     "all": SLOTS,
     "ff_head": ("feed_forward", "head"),

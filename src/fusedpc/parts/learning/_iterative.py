@@ -73,6 +73,11 @@ from fusedpc.parts.learning._local_update import optax_step, resolve_learning
 from fusedpc.parts.learning._network import PCNetwork
 
 SCHEDULES = ("simultaneous", "z_il")
+RELAXATION_SETTINGS = (
+    "inference_steps", "inference_rate", "schedule", "fixed_prediction", "inference_optimiser",
+    "record_energy",
+)
+"""The keywords of `IterativeNetwork` that set its relaxation (all but `optimiser`)."""
 
 
 class RelaxationMetrics(PartMetrics):
@@ -343,7 +348,7 @@ class IterativeNetwork(AbstractPart):
             base = learning_metrics(state.params, params, error, input_error, net.sizes)
             if reports_detailed():
                 before = 0.5 * jnp.sum(pis[-1] * clamp * clamp) / n_rows
-                after = energy(final)
+                after = energy(final) if trajectory is None else trajectory[-1]
                 if scale is not None:  # the mean over the real rows
                     before, after = before * scale, after * scale
                     if trajectory is not None:
@@ -373,4 +378,4 @@ class IterativeNetwork(AbstractPart):
         return Core(forward, backward, write_back)
 
 
-__all__ = ["SCHEDULES", "IterativeNetwork", "RelaxationMetrics"]
+__all__ = ["RELAXATION_SETTINGS", "SCHEDULES", "IterativeNetwork", "RelaxationMetrics"]
