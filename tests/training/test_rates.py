@@ -226,47 +226,58 @@ def test_probing_brings_a_mis_scaled_part_down_and_ends_with_a_lower_loss():
 
 
 # ------------------------------------------------------------------ synaptic_uncertainty
-def _synaptic_pipeline(optimiser):
+SYNAPTIC_SLOTS = ("token", "position", "attention", "feed_forward", "head")
+
+
+def _synaptic_pipeline(optimiser, learning_rate=1.0):
     config = fusedpc.GPTConfig(vocab_size=32, width=16, n_heads=2, n_blocks=1, ff_width=32,
-                               max_len=16, learn="ff_head", learning_kind="synaptic_uncertainty",
-                               learning_kwargs={"window": 20})
+                               max_len=16, learn=SYNAPTIC_SLOTS,
+                               learning_kind="synaptic_uncertainty",
+                               learning_kwargs={"window": 20, "learning_rate": learning_rate})
     part, _ = fusedpc.build_gpt(config, optimiser, jax.random.key(0))
     return fusedpc.FusedPipeline(part, config.error_fn, key=jax.random.key(0))
 
 
-def _learning_states(pipeline):
-    states = jax.tree_util.tree_leaves(
-        pipeline.state, is_leaf=lambda n: isinstance(n, fusedpc.LearningNetworkState))
-    return [n for n in states if isinstance(n, fusedpc.LearningNetworkState)]
+def _synaptic_states(pipeline):
+    kinds = (fusedpc.LearningNetworkState, fusedpc.EmbeddingState)
+    states = jax.tree_util.tree_leaves(pipeline.state, is_leaf=lambda n: isinstance(n, kinds))
+    return [n for n in states if isinstance(n, kinds)]
 
 
-def test_a_bare_multiplier_scales_the_synaptic_rules_own_steps():
+def _weights(state):
+    return state.table if isinstance(state, fusedpc.EmbeddingState) else state.params
+
+
+def test_a_bare_multiplier_runs_the_synaptic_rule_at_the_multiplied_rate():
     from fusedpc.training import scale_by_rate_multiplier
 
-    xs, ys = _batches(1)
+    xs, ys = _batches(2)
     start = _synaptic_pipeline(None)
     plain = _synaptic_pipeline(None)
+    at_half_rate = _synaptic_pipeline(None, learning_rate=0.5)
     scaled = _synaptic_pipeline(scale_by_rate_multiplier())
-    assert set(rate_multipliers(scaled.state)) == {"feed_forward", "head"}
-    scaled.set_state(set_rate_multipliers(scaled.state, {"feed_forward": 0.5, "head": 0.5}))
-    plain.step(xs[0], ys[0])
-    scaled.step(xs[0], ys[0])
-    triples = list(zip(_learning_states(start), _learning_states(plain),
-                       _learning_states(scaled), strict=True))
-    assert len(triples) == 2  # the feed-forward and the head
-    for old, new, half in triples:
-        for o, n, h in zip(jax.tree_util.tree_leaves(old.params),
-                           jax.tree_util.tree_leaves(new.params),
-                           jax.tree_util.tree_leaves(half.params), strict=True):
-            step = np.asarray(n, np.float64) - np.asarray(o, np.float64)
-            assert np.abs(step).max() > 0
-            # half the plain rule's step; atol: theta + m (theta' - theta) rounds in float32
-            np.testing.assert_allclose(np.asarray(h, np.float64) - np.asarray(o, np.float64),
-                                       0.5 * step, rtol=1e-3, atol=1e-7)
-        # the per-weight precisions follow the rule itself, unscaled
-        for n, h in zip(jax.tree_util.tree_leaves(new.weight_precision),
+    assert set(rate_multipliers(scaled.state)) == set(SYNAPTIC_SLOTS)
+    scaled.set_state(set_rate_multipliers(scaled.state, dict.fromkeys(SYNAPTIC_SLOTS, 0.5)))
+    for pipeline in (plain, at_half_rate, scaled):
+        for x, y in zip(xs, ys, strict=True):
+            pipeline.step(x, y)
+    quadruples = list(zip(_synaptic_states(start), _synaptic_states(plain),
+                          _synaptic_states(at_half_rate), _synaptic_states(scaled), strict=True))
+    assert len(quadruples) >= 5  # token, position, attention, feed-forward, head
+    for old, new, half_rate, half in quadruples:
+        leaves = [jax.tree_util.tree_leaves(_weights(s)) for s in (old, new, half_rate, half)]
+        for o, n, r, h in zip(*leaves, strict=True):
+            assert np.abs(np.asarray(n) - np.asarray(o)).max() > 0
+            # the multiplier is the rule's own rate: m * alpha, bit for bit (x0.5 is exact)
+            np.testing.assert_array_equal(np.asarray(h), np.asarray(r))
+        # and not the whole step scaled: the reversion to the prior is not halved
+        o, n, h = (np.concatenate([np.ravel(a) for a in leaf]) for leaf in
+                   (leaves[0], leaves[1], leaves[3]))
+        assert not np.allclose(h - o, 0.5 * (n - o), rtol=1e-3, atol=1e-7)
+        # the per-weight precisions are the rule's at that rate too (not scaled themselves)
+        for r, h in zip(jax.tree_util.tree_leaves(half_rate.weight_precision),
                         jax.tree_util.tree_leaves(half.weight_precision), strict=True):
-            np.testing.assert_array_equal(np.asarray(n), np.asarray(h))
+            np.testing.assert_array_equal(np.asarray(h), np.asarray(r))
     # the part itself takes a bare multiplier and nothing else (build_gpt gives the
     # synaptic parts none of the optimiser it is given: it is the LayerNorms')
     network = fusedpc.PCNetwork([3, 2], ())

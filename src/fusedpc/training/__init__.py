@@ -23,6 +23,7 @@ from fusedpc.training._loop import train as train
 from fusedpc.training._optimisers import OPTIMISERS as OPTIMISERS
 from fusedpc.training._optimisers import make_optimiser as make_optimiser
 from fusedpc.training._probe import GLOBAL_FACTORS as GLOBAL_FACTORS
+from fusedpc.training._probe import GLOBAL_REACH as GLOBAL_REACH
 from fusedpc.training._probe import PROBE_FACTORS as PROBE_FACTORS
 from fusedpc.training._probe import ProbeResult as ProbeResult
 from fusedpc.training._probe import ProbeTrial as ProbeTrial

@@ -10,7 +10,9 @@ Adam; rebalancing the parts alone never helped). `probe_rates(pipeline, xs, ys)`
    current multipliers;
 3. **global** trials: every group's multiplier times each of `global_factors` (0.5 and 2)
    at once; the best of them and the baseline becomes the new base (the study found
-   most of the gain in the global rate);
+   most of the gain in the global rate). If a factor $f$ won, the **ladder** climbs on:
+   every group at $f^2$, $f^3$, ... in turn, each rung kept only while it beats the one
+   before it beyond the noise, up to a total of `global_reach` (x32, or x1/32);
 4. **per-group** trials: for each group $g$ and each factor $f$ in `factors` (0.5 and 2),
    the base with $g$'s multiplier times $f$: $2|G|$ trials;
 5. keeps for each group the factor with the lowest score (1 included; a change counts
@@ -21,8 +23,10 @@ Adam; rebalancing the parts alone never helped). `probe_rates(pipeline, xs, ys)`
 6. restores the saved state and counters exactly, and returns the choice with every trial's
    score (`ProbeResult`); it does not apply it (`set_rate_multipliers` does).
 
-$1 + |F_{global}| + 2|G| + 1$ trials at most: 16 for a GPT's six slots; one calibration
-changes a rate by x0.25 to x4 at most.
+$1 + |F_{global}| + 4 + 2|G| + 1$ trials at most (four more rungs reach x32 from x2): 20
+for a GPT's six slots; one calibration changes a rate by x1/64 to x64 at most. The ladder is
+what the study needed for `synaptic_uncertainty`, whose default rate is 16 to 32 times too
+low at `window=100` (docs/calibration.md).
 
 A trial's **score** is its held-out loss: `score(pipeline)`, the losses of held-out batches
 after the trial (`fusedpc train` passes windows of its validation split other than those it
@@ -50,6 +54,7 @@ from fusedpc.training._rates import gpt_slot, rate_multipliers, set_rate_multipl
 
 __all__ = [
     "GLOBAL_FACTORS",
+    "GLOBAL_REACH",
     "PROBE_FACTORS",
     "ProbeResult",
     "ProbeTrial",
@@ -62,6 +67,10 @@ PROBE_FACTORS = (0.5, 2.0)
 
 GLOBAL_FACTORS = (0.5, 2.0)
 """The factors every group's rate is tried at together first, besides 1."""
+
+GLOBAL_REACH = 32.0
+"""How far the global stage climbs at most (a total factor of x32 or x1/32): the winning
+global factor is applied again while each rung beats the one before it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +180,7 @@ def probe_rates(
     groups: Sequence[str] | None = None,
     factors: Sequence[float] = PROBE_FACTORS,
     global_factors: Sequence[float] = GLOBAL_FACTORS,
+    global_reach: float = GLOBAL_REACH,
     per_call: int | None = None,
     score: Callable[[Any], Any] | None = None,
     score_fraction: float = 0.5,
@@ -190,6 +200,11 @@ def probe_rates(
         global_factors: the factors tried for every group at once first, besides 1; `()`
             skips this stage (with a single group it is skipped: the per-group trials are
             the same).
+        global_reach: how far the global stage may climb: when a global factor $f$ wins,
+            every group is tried at $f^2, f^3, \\ldots$ in turn, each kept only while it
+            beats the rung before it beyond the noise, up to a total factor of
+            `global_reach` (or `1 / global_reach` downwards); 1 (or less than every
+            global factor) stops at the first rung.
         per_call: steps per compiled `run` call (use the run's own `steps_per_call` so that
             the trials reuse its program); all P in one call by default.
         score: `score(pipeline) -> losses` (a 1-d array: one loss per held-out batch, the
@@ -232,6 +247,8 @@ def probe_rates(
             raise ValueError(
                 f"{name}: expected positive numbers other than 1, got {list(values)!r}."
             )
+    if not (global_reach >= 1 and math.isfinite(global_reach)):
+        raise ValueError(f"global_reach: expected a number >= 1, got {global_reach!r}.")
     if not (significance >= 0 and math.isfinite(significance)):
         raise ValueError(f"significance: expected a number >= 0, got {significance!r}.")
     if not 0.0 < score_fraction <= 1.0:
@@ -293,6 +310,16 @@ def probe_rates(
             if f_all != 1.0:
                 base = {**before, **{g: before[g] * f_all for g in groups}}
                 base_score, base_label = overall[f_all], f"all x{f_all:g}"
+                # the ladder: on in the same direction while each rung beats the last
+                step, total = f_all, f_all
+                while max(total * step, 1 / (total * step)) <= global_reach * (1 + 1e-9):
+                    total *= step
+                    label = f"all x{total:g}"
+                    rung = trial({**before, **{g: before[g] * total for g in groups}}, label)
+                    if not math.isfinite(counted(rung, label, base_label)):
+                        break
+                    base = {**before, **{g: before[g] * total for g in groups}}
+                    base_score, base_label = rung, label
         scores: dict[str, dict[float, float]] = {}
         for g in groups:
             scores[g] = {

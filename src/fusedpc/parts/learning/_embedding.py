@@ -44,7 +44,7 @@ from fusedpc.parts.learning._local_update import (
     SynapticSettings,
     optax_step,
     resolve_learning,
-    scaled_synaptic_step,
+    scaled_synaptic_gradient,
     synaptic_step,
 )
 
@@ -153,11 +153,9 @@ class LearningEmbedding(AbstractPart):
                 counts = jnp.zeros((vocab,), state.table.dtype).at[flat_ids].add(1.0)
                 increment = jnp.broadcast_to((k * counts / n_rows)[:, None], table.shape)
                 extra = cast(jax.Array, state.weight_precision)  # kept by the synaptic kind
+                gradient, opt_state = scaled_synaptic_gradient(self.optimiser, gradient, opt_state)
                 table, weight_precision = synaptic_step(
                     synaptic, table, gradient, extra, increment
-                )
-                table, opt_state = scaled_synaptic_step(
-                    self.optimiser, state.table, table, opt_state
                 )
             elif self.optimiser is not None:
                 table, opt_state = optax_step(self.optimiser, table, gradient, opt_state)

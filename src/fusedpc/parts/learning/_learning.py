@@ -46,7 +46,7 @@ from fusedpc.parts.learning._local_update import (
     SynapticSettings,
     optax_step,
     resolve_learning,
-    scaled_synaptic_step,
+    scaled_synaptic_gradient,
     synaptic_step,
 )
 from fusedpc.parts.learning._network import PCNetwork
@@ -316,6 +316,8 @@ class LearningNetwork(AbstractPart):
             params, opt_state, weight_precision = state.params, state.opt_state, None
             if synaptic is not None:
                 extra = cast(NetworkParams, state.weight_precision)  # kept by the synaptic kind
+                scaled, opt_state = scaled_synaptic_gradient(self.optimiser, gradients, opt_state)
+                grads_w, grads_b = list(scaled.weights), list(scaled.biases)
                 pairs_w = [
                     synaptic_step(synaptic, w[l], grads_w[l], extra.weights[l],
                                   increments_w[l])
@@ -335,9 +337,6 @@ class LearningNetwork(AbstractPart):
                 weight_precision = NetworkParams(
                     tuple(p[1] for p in pairs_w),
                     tuple(None if p is None else p[1] for p in pairs_b),
-                )
-                params, opt_state = scaled_synaptic_step(
-                    self.optimiser, state.params, params, opt_state
                 )
             elif self.optimiser is not None:
                 params, opt_state = optax_step(self.optimiser, params, gradients, opt_state)

@@ -45,8 +45,9 @@ def scale_by_rate_multiplier(initial: float = 1.0) -> RateMultiplier:
     """Multiply every update by the multiplier in the state ($u \\leftarrow m u$), which
     starts at `initial` and changes only when it is set from outside the step
     (`fusedpc.training.set_rate_multipliers`). Chained after an optimiser it is the
-    optimiser at rate $m\\eta$; given alone to a `synaptic_uncertainty` part it scales that
-    rule's weight step, $\\theta \\leftarrow \\theta + m(\\theta' - \\theta)$."""
+    optimiser at rate $m\\eta$; given alone to a `synaptic_uncertainty` part it runs that
+    rule at rate $m\\alpha$ (its gradient term scaled; its reversion to the prior and its
+    precisions not)."""
     if not (initial > 0 and math.isfinite(initial)):
         raise ValueError(f"initial: expected a positive number, got {initial!r}.")
 
@@ -63,15 +64,15 @@ def scale_by_rate_multiplier(initial: float = 1.0) -> RateMultiplier:
     return RateMultiplier(init, update)
 
 
-def scaled_synaptic_step(optimiser: Any, old: Any, new: Any, opt_state: Any) -> tuple[Any, Any]:
-    """The synaptic rule's new weights `new` (from `old`) with a rate multiplier applied,
-    $\\theta \\leftarrow \\theta + m(\\theta' - \\theta)$, or `new` itself without one
-    (`optimiser` None). At $m = 1$ this is `new` up to float32 rounding."""
+def scaled_synaptic_gradient(optimiser: Any, gradient: Any, opt_state: Any) -> tuple[Any, Any]:
+    """The gradient the synaptic rule steps on, with a rate multiplier applied ($m\\bar G$),
+    or `gradient` itself without one (`optimiser` None). The rule then runs at rate
+    $m\\alpha$: only its gradient term is scaled, not its reversion to the prior or its
+    precisions, so a multiplier moves where the weights settle (see `synaptic_step`). At
+    $m = 1$ the gradient is unchanged bit for bit."""
     if optimiser is None:
-        return new, opt_state
-    delta = jax.tree_util.tree_map(lambda n, o: n - o, new, old)
-    updates, opt_state = optimiser.update(delta, opt_state, old)
-    return optax.apply_updates(old, updates), opt_state
+        return gradient, opt_state
+    return optimiser.update(gradient, opt_state)
 
 
 class SynapticSettings(NamedTuple):
