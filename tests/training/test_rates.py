@@ -195,6 +195,42 @@ def test_trials_are_scored_on_held_out_batches_when_given():
     assert broken.changed == {}
 
 
+@pytest.mark.parametrize(("best", "reach", "top", "final"), [
+    (8.0, 32.0, 8.0, 8.0),  # climbs x2, x4, x8; x16 does not beat x8
+    (8.0, 4.0, 4.0, 8.0),  # the reach stops it at x4; each group's own x2 then wins
+    (0.25, 32.0, 0.25, 0.25),  # downwards alike
+])
+def test_the_global_ladder_climbs_while_each_rung_beats_the_last(best, reach, top, final):
+    # A synthetic held-out score, lowest with every rate at `best`: the global stage finds
+    # x2 (or x0.5), climbs x4, x8, ... while each rung beats the one before, and stops at
+    # the first that does not or at `global_reach`; then the per-group trials.
+    xs, ys = _batches(2)
+    pipeline = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
+
+    def score(p):
+        m = rate_multipliers(p.state)
+        distance = sum(abs(math.log2(m[g] / best)) for g in ("attention", "head"))
+        return [distance + 0.01 * i for i in range(4)]  # same offsets in every trial
+
+    result = probe_rates(pipeline, xs, ys, groups=("attention", "head"), per_call=2,
+                         score=score, global_reach=reach)
+    step = 2.0 if top > 1 else 0.5
+    rungs = [f"all x{step ** k:g}" for k in range(2, 6)]
+    climbed = [t.label for t in result.trials if t.label in rungs]
+    assert climbed == rungs[:len(climbed)]  # in order, none skipped
+    # the last rung tried: one past the top, unless the reach stopped the climb there
+    past = top * step
+    assert climbed[-1] == (f"all x{top:g}" if max(past, 1 / past) > reach else
+                           f"all x{past:g}")
+    per_group = [t for t in result.trials if t.label.startswith(("attention", "head"))]
+    assert {t.label.split()[1] for t in per_group} == {"x0.5", "x2"}
+    assert all(top in (t.multipliers["attention"], t.multipliers["head"]) for t in per_group)
+    assert result.changed == {"attention": final, "head": final}  # the others keep 1
+    assert result.score == pytest.approx(0.015)  # the best of the synthetic scores
+    with pytest.raises(ValueError, match=r"global_reach: expected a number >= 1, got 0.5"):
+        probe_rates(pipeline, xs, ys, global_reach=0.5)
+
+
 def test_probing_brings_a_mis_scaled_part_down_and_ends_with_a_lower_loss():
     # The head at 100 times the others' rate: three rounds of probes, each from where the
     # run is, bring it down towards the others; the run ends lower than the uncalibrated one.
