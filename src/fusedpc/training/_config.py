@@ -102,15 +102,16 @@ class TrainConfig:
         calibrate: [optimiser] `"none"`, or `"probe"` (also spelt `"auto"`: the method the
             calibration study supports) to calibrate every slot's rate once during the
             run: at step `calibrate_at`, short trial runs of `probe_steps` steps each try
-            every rate at x0.5 and x2 together, then each slot's, and keep what lowers
+            every rate at x0.5 and x2 together (climbing on to x4, x8, ... x32 while each
+            rung wins), then each slot's, and keep what lowers
             their loss on held-out validation windows beyond its noise
             (`fusedpc.training.probe_rates`). The rates' multipliers live in the optimiser
             state (checkpointed; changing them does not recompile) and are logged.
         calibrate_at: [optimiser] the step of the calibration; 0: 15 % of `steps`, rounded
             to whole calls of `steps_per_call` (recorded as a number when the run starts).
         probe_steps: [optimiser] steps per trial run of the calibration; up to
-            `2 |slots| + 4` trials: the baseline, the two global ones, two per slot and the
-            combined choice.
+            `2 |slots| + 8` trials: the baseline, the two global ones, four rungs of the
+            global ladder, two per slot and the combined choice.
         steps: [training] the total of steps to reach.
         batch: [training] rows per step per process, $B$.
         steps_per_call: [training] K, the steps per compiled call.

@@ -9,7 +9,9 @@ $$\\theta \\leftarrow \\theta + m\\,u ,$$
 
 which is the optimiser at rate $m\\eta$ for SGD, Adam and AdamW alike (their update is
 proportional to $\\eta$; AdamW's decoupled decay $\\eta\\lambda\\theta$ is scaled with it).
-$m = 1$ leaves every update bit for bit as it was. `rate_multipliers(state)` reads the
+$m = 1$ leaves every update bit for bit as it was. A bare `scale_by_rate_multiplier()` given
+to a `synaptic_uncertainty` part scales the gradient that rule steps on: the rule at rate
+$m\alpha$, its reversion to the prior unscaled. `rate_multipliers(state)` reads the
 multipliers by group (a GPT's slots by default: `gpt_slot`) and
 `set_rate_multipliers(state, {group: m})` returns the state with new ones.
 """
