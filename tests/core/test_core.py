@@ -13,7 +13,15 @@ import pytest
 
 import fusedpc
 from fusedpc.core._checks import expect_last_axis, expect_rank
-from fusedpc.core._metrics import all_finite, iter_metrics, tree_norm
+from fusedpc.core._metrics import (
+    all_finite,
+    iter_metrics,
+    leaf_norm_finite,
+    state_norms_finite,
+    sums_of_squares,
+    tree_norm,
+    tree_norms,
+)
 from fusedpc.core._part import display_path, join_path, replace_fields
 
 
@@ -101,6 +109,40 @@ def test_tree_norm():
     norm = tree_norm(tree)
     assert norm.dtype == jnp.float32 and float(norm) == 5.0  # integers are not parameters
     assert float(tree_norm({})) == 0.0
+
+
+def test_sums_of_squares_group_leaves_by_shape_and_match_one_reduction_each():
+    rng = np.random.default_rng(0)
+    leaves = [rng.normal(size=s).astype(np.float32) for s in
+              [(64, 64), (64,), (64, 64), (3, 5, 7), (64,), (), (64, 64)]]
+    leaves.append(np.ones((2, 3), np.float16))  # another dtype, widened to float32
+    sums = jax.jit(sums_of_squares)([jnp.asarray(a) for a in leaves])
+    for a, total in zip(leaves, sums, strict=True):
+        assert total.dtype == jnp.float32
+        expected = np.sum(np.square(a.astype(np.float64)))
+        assert float(total) == pytest.approx(expected, rel=1e-5)
+    # one reduction per distinct shape, not one per leaf: (64, 64), (64,), (3, 5, 7) and
+    # (2, 3) for eight leaves (the scalar needs none)
+    text = jax.jit(sums_of_squares).lower([jnp.asarray(a) for a in leaves]).as_text()
+    assert text.count("stablehlo.reduce") == 4
+    assert sums_of_squares([]) == []
+    first, second = tree_norms({"a": jnp.array([3.0]), "n": jnp.arange(2)},
+                               [jnp.array([[1.0, 2.0], [2.0, 4.0]])])
+    assert float(first) == 3.0 and float(second) == 5.0
+    assert [float(n) for n in tree_norms({}, None)] == [0.0, 0.0]
+
+
+def test_state_norms_finite_flags_every_leaf_as_its_own_norm_would():
+    big = np.full((4, 4), 3e19, np.float32)  # finite entries whose norm overflows float32
+    tree = {"w": jnp.ones((4, 4)), "nan": jnp.array([1.0, jnp.nan]), "big": jnp.asarray(big),
+            "inf": jnp.full((4, 4), jnp.inf), "ids": jnp.arange(3), "s": jnp.float32(2.0),
+            "also": jnp.zeros((2,))}
+    flags = jax.jit(state_norms_finite)(tree)
+    assert jax.tree_util.tree_structure(flags) == jax.tree_util.tree_structure(tree)
+    expected = {k: bool(leaf_norm_finite(v)) for k, v in tree.items()}
+    assert {k: bool(v) for k, v in flags.items()} == expected
+    assert expected == {"w": True, "nan": False, "big": False, "inf": False, "ids": True,
+                        "s": True, "also": True}
 
 
 def test_learning_metrics():

@@ -193,6 +193,19 @@ def leaf_norm_finite(leaf: Any) -> jax.Array:
     return jnp.array(True)
 
 
+def state_norms_finite(tree: PyTree) -> PyTree:
+    """`leaf_norm_finite` of every leaf of `tree` (a tree of booleans of its structure), the
+    sums of squares of the leaves of one shape taken by one reduction (`sums_of_squares`)."""
+    leaves, structure = jax.tree_util.tree_flatten(tree)
+    inexact = [i for i, leaf in enumerate(leaves)
+               if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+    sums = sums_of_squares([leaves[i] for i in inexact])
+    flags: list[jax.Array] = [jnp.array(True)] * len(leaves)
+    for i, total in zip(inexact, sums, strict=True):
+        flags[i] = jnp.isfinite(total)
+    return jax.tree_util.tree_unflatten(structure, flags)
+
+
 _DETAILED: list[bool] = []
 
 
@@ -229,16 +242,56 @@ def all_finite(tree: PyTree) -> jax.Array:
     return jnp.stack(leaves).all()
 
 
-def tree_norm(tree: PyTree) -> jax.Array:
-    """Frobenius norm over every inexact leaf of a pytree (0 for an empty tree)."""
-    squares = [
-        jnp.sum(jnp.square(leaf.astype(jnp.float32)))
-        for leaf in jax.tree_util.tree_leaves(tree)
+def sums_of_squares(leaves: list[jax.Array]) -> list[jax.Array]:
+    """$\\sum x^2$ (float32) of each array, with the arrays of one shape summed by one
+    variadic reduction (one kernel for all of them rather than one each: the step's compile
+    time grows with its kernels)."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        by_shape.setdefault(tuple(jnp.shape(leaf)), []).append(i)
+    sums: list[Any] = [None] * len(leaves)
+    for shape, members in by_shape.items():
+        squares = tuple(jnp.square(jnp.asarray(leaves[i]).astype(jnp.float32)) for i in members)
+        if not shape:
+            reduced: tuple[jax.Array, ...] = squares
+        else:
+            reduced = tuple(jax.lax.reduce(
+                squares, tuple(jnp.float32(0) for _ in members),
+                lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)),
+                tuple(range(len(shape))),
+            ))
+        for i, total in zip(members, reduced, strict=True):
+            sums[i] = total
+    return sums
+
+
+def inexact_leaves(tree: PyTree) -> list[jax.Array]:
+    """The leaves of `tree` with a floating (or complex) dtype."""
+    return [
+        leaf for leaf in jax.tree_util.tree_leaves(tree)
         if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
     ]
+
+
+def tree_norm(tree: PyTree) -> jax.Array:
+    """Frobenius norm over every inexact leaf of a pytree (0 for an empty tree)."""
+    squares = sums_of_squares(inexact_leaves(tree))
     if not squares:
         return jnp.zeros((), jnp.float32)
     return jnp.sqrt(sum(squares[1:], squares[0]))
+
+
+def tree_norms(*trees: PyTree) -> list[jax.Array]:
+    """`[tree_norm(t) for t in trees]`, their leaves' sums of squares taken together (one
+    reduction per shape over all the trees)."""
+    leaves = [inexact_leaves(t) for t in trees]
+    sums = sums_of_squares([leaf for group in leaves for leaf in group])
+    norms, start = [], 0
+    for group in leaves:
+        part = sums[start:start + len(group)]
+        start += len(group)
+        norms.append(jnp.sqrt(sum(part[1:], part[0])) if part else jnp.zeros((), jnp.float32))
+    return norms
 
 
 def learning_metrics(
@@ -265,14 +318,14 @@ def learning_metrics(
             layer_sizes=tuple(int(s) for s in layer_sizes),
         )
     update = jax.tree_util.tree_map(lambda n, o: n - o, new_params, old_params)
-    update_norm = tree_norm(update)
-    weight_norm = tree_norm(new_params)
+    update_norm, weight_norm, error_norm, input_error_norm = tree_norms(
+        update, new_params, error, input_error)
     finite = jnp.isfinite(update_norm) & jnp.isfinite(weight_norm)
     if input_error is not None:
-        finite = finite & jnp.isfinite(tree_norm(input_error))
+        finite = finite & jnp.isfinite(input_error_norm)
     return PartMetrics(
         update_norm=update_norm,
-        error_norm=tree_norm(error),
+        error_norm=error_norm,
         weight_norm=weight_norm,
         finite=finite,
         layer_sizes=tuple(int(s) for s in layer_sizes),

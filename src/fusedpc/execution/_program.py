@@ -42,9 +42,9 @@ from fusedpc.core._metrics import (
     PartMetrics,
     all_finite,
     detailed_reports,
-    leaf_norm_finite,
     metric_leaves,
     metrics_finite,
+    state_norms_finite,
     tree_norm,
 )
 from fusedpc.core._part import AbstractPart, Core, PyTree
@@ -428,7 +428,7 @@ class StepProgram:
         ids_ok = jnp.stack([c.ok for c in checks]).all() if checks else jnp.array(True)
         # One flag per state leaf (kept in the metrics to name a bad leaf), then one rule for
         # all: the same flags name the part in reports.
-        state_finite = jax.tree_util.tree_map(leaf_norm_finite, new_state)
+        state_finite = state_norms_finite(new_state)
         finite_flags = [
             *jax.tree_util.tree_leaves(state_finite),
             all_finite((y, input_error)),
