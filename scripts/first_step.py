@@ -12,6 +12,8 @@ cache off), the variants interleaved, and prints one JSON line per process, then
     python scripts/first_step.py                      # 4 blocks, width 64, 5 rounds
     python scripts/first_step.py --blocks 8 --rounds 3
     python scripts/first_step.py --previous-src /tmp/v01/src
+    python scripts/first_step.py --blocks 2 --variants one_trace \
+        --tree r01=/tmp/v01/src --tree before=/tmp/before/src   # several trees, interleaved
 """
 
 from __future__ import annotations
@@ -76,13 +78,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--previous-src", help="another source tree to time as `previous`")
-    parser.add_argument("--worker", choices=(*VARIANTS, "previous"), help=argparse.SUPPRESS)
+    parser.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                        help="more source trees to time beside the others, each as NAME "
+                             "(repeatable: e.g. --tree r01=/tmp/v01/src --tree r03=/tmp/v03/src)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="which of this tree's variants to time (default: both)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.blocks, args.width)))
+        row = _worker("one_trace" if args.worker not in VARIANTS else args.worker,
+                      args.blocks, args.width)
+        print(json.dumps({**row, "variant": args.worker}))
         return 0
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
-    variants = (*VARIANTS, "previous") if args.previous_src else VARIANTS
+    trees = dict(item.split("=", 1) for item in args.tree)
+    if args.previous_src:
+        trees["previous"] = args.previous_src
+    own = tuple(v for v in args.variants.split(",") if v)
+    if any(v not in VARIANTS for v in own):
+        raise SystemExit(f"--variants: expected names from {VARIANTS}, got {args.variants!r}.")
+    variants = (*own, *trees)
     rows: list[dict] = []
     for _ in range(args.rounds):
         for variant in variants:  # interleaved: the machine is shared and noisy
@@ -91,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--blocks", str(args.blocks), "--width", str(args.width),
             ]
             run_env = env
-            if variant == "previous":
-                run_env = {**env, "PYTHONPATH": args.previous_src}
+            if variant in trees:  # another tree's code, its own step as it is
+                run_env = {**env, "PYTHONPATH": trees[variant]}
             done = subprocess.run(
                 command, capture_output=True, text=True, env=run_env, check=True
             )
@@ -105,10 +120,16 @@ def main(argv: list[str] | None = None) -> int:
             times = [r[field] for r in rows if r["variant"] == variant]
             summary[f"{variant}_{field}_median"] = round(statistics.median(times), 4)
             summary[f"{variant}_{field}_all"] = times
-    for field in ("first_step_s", "check_s"):
-        summary[f"{field}_ratio_one_to_two"] = round(
-            summary[f"one_trace_{field}_median"] / summary[f"two_traces_{field}_median"], 3
-        )
+    if set(VARIANTS) <= set(own):
+        for field in ("first_step_s", "check_s"):
+            summary[f"{field}_ratio_one_to_two"] = round(
+                summary[f"one_trace_{field}_median"] / summary[f"two_traces_{field}_median"], 3
+            )
+    if own:  # this tree's first step against each other tree's
+        mine = summary[f"{own[0]}_first_step_s_median"]
+        for name in trees:
+            summary[f"first_step_ratio_to_{name}"] = round(
+                mine / summary[f"{name}_first_step_s_median"], 3)
     print(json.dumps(summary))
     return 0
 
