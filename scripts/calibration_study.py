@@ -142,6 +142,18 @@ def method_probe_capped(
     return {s: m for s, m in result.multipliers.items() if m != 1.0}
 
 
+def method_fixed(factor: float) -> Method:
+    """A control: every slot at `factor` times its rate from the warm-up on, chosen by
+    nobody (`x2` ... `x32`). What a rate alone can reach in a cell, the yardstick for what a
+    calibration of rates could gain there."""
+
+    def fixed(warm_up: WarmUp, base_lr: float, slots: tuple[str, ...]) -> dict[str, float]:
+        return dict.fromkeys(slots, factor)
+
+    fixed.__doc__ = f"Every slot at x{factor:g} from the warm-up on (a control)."
+    return fixed
+
+
 METHODS: dict[str, Method] = {
     "none": method_none,
     "report_rule": method_report_rule,
@@ -149,10 +161,12 @@ METHODS: dict[str, Method] = {
     "probe": method_probe,
     "probe_global": method_probe_global,
     "probe_capped": method_probe_capped,
+    **{f"x{f:g}": method_fixed(f) for f in (0.5, 2.0, 4.0, 8.0, 12.0, 16.0, 32.0)},
 }
 """The calibration methods by name; add one here to have the study score it."""
 DEFAULT_METHODS = ("none", "report_rule", "rebalance", "probe", "probe_global")
-"""What `--methods` runs by default (`probe_capped` on request)."""
+"""What `--methods` runs by default (`probe_capped` and the fixed controls `x0.5` ... `x32`
+on request)."""
 
 
 # ----------------------------------------------------------------------------- settings
