@@ -195,25 +195,33 @@ def test_trials_are_scored_on_held_out_batches_when_given():
     assert broken.changed == {}
 
 
-@pytest.mark.parametrize(("best", "reach", "top", "final"), [
-    (8.0, 32.0, 8.0, 8.0),  # climbs x2, x4, x8; x16 does not beat x8
-    (8.0, 4.0, 4.0, 8.0),  # the reach stops it at x4; each group's own x2 then wins
-    (0.25, 32.0, 0.25, 0.25),  # downwards alike
-])
-def test_the_global_ladder_climbs_while_each_rung_beats_the_last(best, reach, top, final):
-    # A synthetic held-out score, lowest with every rate at `best`: the global stage finds
-    # x2 (or x0.5), climbs x4, x8, ... while each rung beats the one before, and stops at
-    # the first that does not or at `global_reach`; then the per-group trials.
-    xs, ys = _batches(2)
-    pipeline = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
+def _distance_to(best):
+    """A synthetic held-out score, lowest with the attention's and the head's rate at
+    `best` (the same per-batch offsets in every trial, so differences are noise-free)."""
 
     def score(p):
         m = rate_multipliers(p.state)
         distance = sum(abs(math.log2(m[g] / best)) for g in ("attention", "head"))
-        return [distance + 0.01 * i for i in range(4)]  # same offsets in every trial
+        return [distance + 0.01 * i for i in range(4)]
+
+    return score
+
+
+@pytest.mark.parametrize(("best", "reach", "rate", "top", "final"), [
+    (8.0, 32.0, 3e-3, 8.0, 8.0),  # climbs x2, x4, x8; x16 does not beat x8
+    (8.0, 4.0, 3e-3, 4.0, 8.0),  # the reach stops it at x4; each group's own x2 then wins
+    (0.25, 32.0, 1.0, 0.25, 0.25),  # downwards alike, from a rate far too high to learn at
+])
+def test_the_global_ladder_climbs_while_each_rung_beats_the_last(best, reach, rate, top,
+                                                                 final):
+    # The global stage finds x2 (or x0.5), climbs x4, x8, ... while each rung beats the one
+    # before, and stops at the first that does not or at `global_reach`; then the
+    # per-group trials.
+    xs, ys = _batches(2)
+    pipeline = _pipeline(with_rate_multiplier(make_optimiser("adam", rate)))
 
     result = probe_rates(pipeline, xs, ys, groups=("attention", "head"), per_call=2,
-                         score=score, global_reach=reach)
+                         score=_distance_to(best), global_reach=reach)
     step = 2.0 if top > 1 else 0.5
     rungs = [f"all x{step ** k:g}" for k in range(2, 6)]
     climbed = [t.label for t in result.trials if t.label in rungs]
@@ -229,6 +237,25 @@ def test_the_global_ladder_climbs_while_each_rung_beats_the_last(best, reach, to
     assert result.score == pytest.approx(0.015)  # the best of the synthetic scores
     with pytest.raises(ValueError, match=r"global_reach: expected a number >= 1, got 0.5"):
         probe_rates(pipeline, xs, ys, global_reach=0.5)
+
+
+def test_a_lower_rate_counts_only_when_it_also_learns_more():
+    # At a rate the model learns well at, a held-out score that favours slower rates (as a
+    # small text's probe split did, ending worse at the budget) is not enough: a slower
+    # trial must also lower its own step losses, so the rates stay.
+    xs, ys = _batches(4)
+    pipeline = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
+    result = probe_rates(pipeline, xs, ys, groups=("attention", "head"), per_call=4,
+                         score=_distance_to(0.25))
+    labels = [t.label for t in result.trials]
+    assert "all x0.5" in labels and "all x0.25" not in labels  # no rung below the first
+    by_label = {t.label: t.score for t in result.trials}
+    assert by_label["all x0.5"] < by_label["baseline"]  # the held-out score did favour it
+    assert result.changed == {}
+    # a faster trial needs the held-out score alone: towards x8 the ladder climbs
+    up = probe_rates(pipeline, xs, ys, groups=("attention", "head"), per_call=4,
+                     score=_distance_to(8.0))
+    assert up.changed == {"attention": 8.0, "head": 8.0}
 
 
 def test_probing_brings_a_mis_scaled_part_down_and_ends_with_a_lower_loss():

@@ -17,7 +17,10 @@ Adam; rebalancing the parts alone never helped). `probe_rates(pipeline, xs, ys)`
    the base with $g$'s multiplier times $f$: $2|G|$ trials;
 5. keeps for each group the factor with the lowest score (1 included; a change counts
    only when it is lower than the trial it is compared with by more than `significance`
-   standard errors of their step-by-step loss differences), then runs the
+   standard errors of their step-by-step loss differences, and a **slower** trial, one
+   that lowers a rate, counts only when its own step losses are lower on average too:
+   a lower rate must learn more, not merely move the weights less, since a held-out
+   score alone can favour learning less, which ends worse at the budget), then runs the
    **combined** choice once more; if it does not beat the base, the single best trial's
    change is kept instead, and if none beat the base, the base stays;
 6. restores the saved state and counters exactly, and returns the choice with every trial's
@@ -215,7 +218,9 @@ def probe_rates(
         significance: a change counts as lower only when its scored losses are below
             those of the trial it is compared with (the same batches) by more than this
             many standard errors of their batch-by-batch differences
-            (`lower_by_more_than_noise`); 0: any lower score counts.
+            (`lower_by_more_than_noise`); 0: any lower score counts. A trial with a
+            rate lowered must also have lower step losses on average than the trial it is
+            compared with (it learnt more, not less).
         group: a state path -> its group (a GPT's slots by default).
 
     Raises:
@@ -267,6 +272,7 @@ def probe_rates(
     counters = jax.tree_util.tree_map(jnp.copy, pipeline.counters)
     trials: list[ProbeTrial] = []
     tails: dict[str, np.ndarray | None] = {}
+    own: dict[str, np.ndarray | None] = {}  # each trial's own step losses (its tail)
     ran = [0]
 
     def trial(multipliers: dict[str, float], label: str) -> float:
@@ -282,6 +288,7 @@ def probe_rates(
             committed.append(np.asarray(metrics.committed))
         ran[0] += steps
         scored = _tail(np.concatenate(losses), np.concatenate(committed), score_fraction)
+        own[label] = scored
         if score is not None and scored is not None:
             held = np.ravel(np.asarray(score(pipeline), np.float64))
             scored = held if np.all(np.isfinite(held)) else None
@@ -290,9 +297,13 @@ def probe_rates(
         trials.append(ProbeTrial(dict(multipliers), value, label))
         return value
 
-    def counted(value: float, label: str, reference: str) -> float:
-        """`value`, or infinity when it is not lower than `reference`'s beyond the noise."""
+    def counted(value: float, label: str, reference: str, slower: bool = False) -> float:
+        """`value`, or infinity when it is not lower than `reference`'s beyond the noise;
+        a `slower` trial (a rate lowered) must also have learnt more: its own step losses
+        lower on average than the reference's."""
         lower = lower_by_more_than_noise(tails[label], tails[reference], significance)
+        if lower and slower:
+            lower = lower_by_more_than_noise(own[label], own[reference], 0.0)
         return value if lower else math.inf
 
     try:
@@ -302,7 +313,7 @@ def probe_rates(
             overall = {
                 f: counted(
                     trial({**before, **{g: before[g] * f for g in groups}}, f"all x{f:g}"),
-                    f"all x{f:g}", "baseline",
+                    f"all x{f:g}", "baseline", slower=f < 1,
                 )
                 for f in global_factors
             }
@@ -316,7 +327,7 @@ def probe_rates(
                     total *= step
                     label = f"all x{total:g}"
                     rung = trial({**before, **{g: before[g] * total for g in groups}}, label)
-                    if not math.isfinite(counted(rung, label, base_label)):
+                    if not math.isfinite(counted(rung, label, base_label, slower=step < 1)):
                         break
                     base = {**before, **{g: before[g] * total for g in groups}}
                     base_score, base_label = rung, label
@@ -324,7 +335,7 @@ def probe_rates(
         for g in groups:
             scores[g] = {
                 f: counted(trial({**base, g: base[g] * f}, f"{g} x{f:g}"), f"{g} x{f:g}",
-                           base_label)
+                           base_label, slower=f < 1)
                 for f in factors
             }
         chosen = choose_factors(base_score, scores)
