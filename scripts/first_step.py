@@ -91,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**row, "variant": args.worker}))
         return 0
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    bad = [item for item in args.tree
+           if "=" not in item or item.split("=", 1)[0] in (*VARIANTS, "previous", "")]
+    if bad:
+        raise SystemExit(f"--tree: expected NAME=DIR with a NAME other than "
+                         f"{(*VARIANTS, 'previous')}, got {bad!r}.")
     trees = dict(item.split("=", 1) for item in args.tree)
     if args.previous_src:
         trees["previous"] = args.previous_src
