@@ -232,11 +232,7 @@ def reports_detailed() -> bool:
 
 def all_finite(tree: PyTree) -> jax.Array:
     """One boolean: every inexact leaf of `tree` is finite (integer leaves always are)."""
-    leaves = [
-        leaf_finite(leaf)
-        for leaf in jax.tree_util.tree_leaves(tree)
-        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-    ]
+    leaves = [leaf_finite(leaf) for leaf in inexact_leaves(tree)]
     if not leaves:
         return jnp.array(True)
     return jnp.stack(leaves).all()
@@ -275,10 +271,7 @@ def inexact_leaves(tree: PyTree) -> list[jax.Array]:
 
 def tree_norm(tree: PyTree) -> jax.Array:
     """Frobenius norm over every inexact leaf of a pytree (0 for an empty tree)."""
-    squares = sums_of_squares(inexact_leaves(tree))
-    if not squares:
-        return jnp.zeros((), jnp.float32)
-    return jnp.sqrt(sum(squares[1:], squares[0]))
+    return tree_norms(tree)[0]
 
 
 def tree_norms(*trees: PyTree) -> list[jax.Array]:
