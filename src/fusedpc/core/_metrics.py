@@ -177,9 +177,15 @@ def metrics_finite(tree: PyTree) -> jax.Array:
 
 
 
+def is_inexact(leaf: Any) -> bool:
+    """Whether a leaf has a floating (or complex) dtype: the leaves norms and finite checks
+    read (integer and key leaves are always finite)."""
+    return bool(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact))
+
+
 def leaf_finite(leaf: Any) -> jax.Array:
     """Whether every entry of one leaf is finite (integer and key leaves always are)."""
-    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+    if is_inexact(leaf):
         return jnp.all(jnp.isfinite(leaf))
     return jnp.array(True)
 
@@ -187,8 +193,8 @@ def leaf_finite(leaf: Any) -> jax.Array:
 def leaf_norm_finite(leaf: Any) -> jax.Array:
     """Whether one leaf's norm is finite: every entry finite and the sum of squares within
     float32 (a NaN or infinity anywhere, or magnitudes whose norm overflows, read as False).
-    The commit rule's check of every state leaf."""
-    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+    The commit rule checks every state leaf this way, all at once (`state_norms_finite`)."""
+    if is_inexact(leaf):
         return jnp.isfinite(jnp.sum(jnp.square(jnp.asarray(leaf).astype(jnp.float32))))
     return jnp.array(True)
 
@@ -197,8 +203,7 @@ def state_norms_finite(tree: PyTree) -> PyTree:
     """`leaf_norm_finite` of every leaf of `tree` (a tree of booleans of its structure), the
     sums of squares of the leaves of one shape taken by one reduction (`sums_of_squares`)."""
     leaves, structure = jax.tree_util.tree_flatten(tree)
-    inexact = [i for i, leaf in enumerate(leaves)
-               if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+    inexact = [i for i, leaf in enumerate(leaves) if is_inexact(leaf)]
     sums = sums_of_squares([leaves[i] for i in inexact])
     flags: list[jax.Array] = [jnp.array(True)] * len(leaves)
     for i, total in zip(inexact, sums, strict=True):
@@ -216,7 +221,7 @@ def detailed_reports(detailed: bool) -> Iterator[None]:
     A step traced with `detailed_reports(False)` (`run`'s steps between reports) gets
     `learning_metrics` whose norms are NaN ("not measured") and whose `finite` flag is true:
     the step's commit rule then rests on the executor's own check of every state leaf's
-    norm (`leaf_norm_finite`), the output, the input error and the loss."""
+    norm (`state_norms_finite`), the output, the input error and the loss."""
     _DETAILED.append(bool(detailed))
     try:
         yield
@@ -263,10 +268,7 @@ def sums_of_squares(leaves: list[jax.Array]) -> list[jax.Array]:
 
 def inexact_leaves(tree: PyTree) -> list[jax.Array]:
     """The leaves of `tree` with a floating (or complex) dtype."""
-    return [
-        leaf for leaf in jax.tree_util.tree_leaves(tree)
-        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-    ]
+    return [leaf for leaf in jax.tree_util.tree_leaves(tree) if is_inexact(leaf)]
 
 
 def tree_norm(tree: PyTree) -> jax.Array:

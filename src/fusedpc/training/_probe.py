@@ -206,8 +206,8 @@ def probe_rates(
         global_reach: how far the global stage may climb: when a global factor $f$ wins,
             every group is tried at $f^2, f^3, \\ldots$ in turn, each kept only while it
             beats the rung before it beyond the noise, up to a total factor of
-            `global_reach` (or `1 / global_reach` downwards); 1 (or less than every
-            global factor) stops at the first rung.
+            `global_reach` (or `1 / global_reach` downwards); 1 stops at the first
+            rung.
         per_call: steps per compiled `run` call (use the run's own `steps_per_call` so that
             the trials reuse its program); all P in one call by default.
         score: `score(pipeline) -> losses` (a 1-d array: one loss per held-out batch, the
@@ -326,11 +326,11 @@ def probe_rates(
                 while max(total * step, 1 / (total * step)) <= global_reach * (1 + 1e-9):
                     total *= step
                     label = f"all x{total:g}"
-                    rung = trial({**before, **{g: before[g] * total for g in groups}}, label)
+                    rates = {**before, **{g: before[g] * total for g in groups}}
+                    rung = trial(rates, label)
                     if not math.isfinite(counted(rung, label, base_label, slower=step < 1)):
                         break
-                    base = {**before, **{g: before[g] * total for g in groups}}
-                    base_score, base_label = rung, label
+                    base, base_score, base_label = rates, rung, label
         scores: dict[str, dict[float, float]] = {}
         for g in groups:
             scores[g] = {
