@@ -25,7 +25,16 @@ import jax.numpy as jnp
 
 from fusedpc.core._checks import check_ids, check_part, id_range_check
 from fusedpc.core._metrics import Named, named
-from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
+from fusedpc.core._part import (
+    AbstractPart,
+    Core,
+    PyTree,
+    children_layout,
+    display_path,
+    field_layout,
+    join_path,
+    replace_fields,
+)
 from fusedpc.core._precision import computing_in, resolve_compute_dtype, widened
 from fusedpc.parts._compose import SequentialCache
 
@@ -112,7 +121,7 @@ class TransformerBlock(AbstractPart):
                 self, **{n: cores[n].write_back(getattr(state, n)) for n in names}
             )
 
-        return Core(forward, backward, write_back)
+        return Core(forward, backward, write_back, field_layout(cores))
 
 
 class Blocks(AbstractPart):
@@ -174,7 +183,12 @@ class Blocks(AbstractPart):
                 self, blocks=tuple(c.write_back(s) for c, s in zip(cores, state))
             )
 
-        return Core(forward, backward, write_back)
+        layout = children_layout(
+            {i: core.layout for i, core in enumerate(cores)},
+            lambda state, i: state[i],
+            lambda state, changes: tuple(changes.get(i, sub) for i, sub in enumerate(state)),
+        )
+        return Core(forward, backward, write_back, layout)
 
 
 class GPTState(eqx.Module):
@@ -362,4 +376,8 @@ class GPTPart(AbstractPart):
                 head=head.write_back(state.head),
             )
 
-        return Core(forward, backward, write_back)
+        layout = field_layout(
+            {"token": token, "position": position, "blocks": blocks, "norm_f": norm_f,
+             "head": head}
+        )
+        return Core(forward, backward, write_back, layout)
