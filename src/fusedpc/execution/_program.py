@@ -399,7 +399,12 @@ class StepProgram:
         made of several (an unrolled `Repeat`'s stacked blocks) is finite when all are."""
         if self.core.layout is None:
             return flags
-        return jax.tree_util.tree_map(jnp.all, self.core.layout.to_public(flags))
+
+        def all_of(flag: jax.Array) -> jax.Array:
+            # lax, not jnp.all: a jnp reduction costs the trace about a millisecond per call
+            return flag if not jnp.ndim(flag) else jax.lax.reduce_and(flag, range(flag.ndim))
+
+        return jax.tree_util.tree_map(all_of, self.core.layout.to_public(flags))
 
     def step(
         self, carry: StepCarry, x: Any, target: Any, mask: Any = None, detailed: bool = True
@@ -483,8 +488,9 @@ class StepProgram:
         for number, ok in reversed(list(enumerate((ids_ok, finite, ratio_ok, spike_ok), 1))):
             code = jnp.where(ok, code, jnp.int32(number))
         committed = code == 0
+        # lax.select_n, not jnp.where (which costs the trace about a millisecond per leaf)
         new_state = jax.tree_util.tree_map(
-            lambda n, o: jnp.where(committed, n, o), new_state, state
+            lambda n, o: jax.lax.select_n(committed, o, n), new_state, state
         )
         counters = self._count(counters, code, loss)
         metrics = StepMetrics(
