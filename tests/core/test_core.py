@@ -50,12 +50,8 @@ def test_validate_input_accepts_everything_by_default():
     assert fusedpc.frozen.relu().validate_input(jnp.zeros((2, 3)), "") is None
 
 
-def test_core_is_a_named_triple_with_an_optional_layout():
-    # `layout` (a `StateLayout`, for parts that step their state in another layout) was added
-    # after the three functions, with a default: a Core built from three still works.
-    assert fusedpc.Core._fields == ("forward", "backward", "write_back", "layout")
-    core = fusedpc.Core(abs, abs, abs)
-    assert core.layout is None and tuple(core)[:3] == (abs, abs, abs)
+def test_core_is_a_named_triple():
+    assert fusedpc.Core._fields == ("forward", "backward", "write_back")
 
 
 class _Checked(eqx.Module):

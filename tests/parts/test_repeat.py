@@ -1,7 +1,6 @@
 """Tests of `Repeat` (`fusedpc.parts._repeat`): scanned blocks with stacked state."""
 
 import functools
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -9,13 +8,13 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from helpers import DeltaLinear, assert_tree_allclose, count_equations, run_at_default_level
+from helpers import DeltaLinear, assert_tree_allclose, count_equations
 
 import fusedpc
 from fusedpc import frozen
 from fusedpc.core._metrics import iter_metrics, named
 from fusedpc.parts._attention import MultiHeadAttention
-from fusedpc.parts._repeat import BlockStates, Repeat, RepeatState, _slice
+from fusedpc.parts._repeat import Repeat, RepeatState, _slice
 
 D, F, B, T, H = 4, 6, 3, 4, 2
 # One optimiser object shared by every block (it is static configuration).
@@ -217,61 +216,3 @@ def test_a_block_that_changes_the_shape_is_a_trace_error_naming_the_path():
         ValueError, match=r"parts\[0\]\[\*\]: expected input of shape \(\.\.\., 4\)"
     ):
         pipe.check(batch(1, (B, T, 5)), batch(2))
-
-
-# --------------------------------------------------------------------------- working layout
-def _working_layout_checks(result: dict) -> None:
-    for name, checks in result.items():
-        assert checks == {"kept_apart": True, "steps_equal": True, "run_equal": True}, name
-
-
-def test_an_unrolled_repeat_steps_apart_bit_for_bit_with_its_stacked_step():
-    # The pipeline keeps an unrolled Repeat's blocks apart (a GPT's, and one nested in a
-    # Sequential in a Residual); its steps, run, metrics and state equal those of the same
-    # program over the stacked state, and the pure step's, bit for bit.
-    from _working_layout import compare
-
-    _working_layout_checks(compare())
-
-
-def test_the_working_layout_is_exact_at_the_default_optimisation_level():
-    _working_layout_checks(
-        run_at_default_level(str(Path(__file__).with_name("_working_layout.py")))
-    )
-
-
-def test_the_working_layout_round_trips_and_is_idempotent():
-    inner = Repeat.from_factory(mlp_block, 2, jr.key(0), unroll=True)
-    outer = Repeat([fusedpc.Sequential([inner]), fusedpc.Sequential([inner])], unroll=True)
-    layout = outer.compile("").layout
-    state = outer.init_state(jr.key(1))
-    working = layout.to_working(state)
-    assert isinstance(working.blocks, BlockStates) and len(working.blocks.states) == 2
-    # the inner Repeat, inside each outer block, is kept apart too
-    assert isinstance(working.blocks.states[1].parts[0].blocks, BlockStates)
-    shapes = {tuple(a.shape) for a in jax.tree_util.tree_leaves(working)}
-    assert (F, D) in shapes and not any(s[:1] == (2,) for s in shapes)  # nothing stacked
-    assert layout.to_working(working) is working
-    back = layout.to_public(working)
-    assert layout.to_public(back) is back
-    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(state)
-    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(state),
-                    strict=True):
-        np.testing.assert_array_equal(a, b)
-    # scanned Repeats, and trees without an unrolled one, have no layout
-    assert Repeat.from_factory(mlp_block, 2, jr.key(0)).compile("").layout is None
-    assert mlp_block(jr.key(0)).compile("").layout is None
-
-
-def test_the_pipeline_compiles_an_unrolled_repeat_over_each_block_apart():
-    rep = Repeat.from_factory(mlp_block, 3, jr.key(0), unroll=True)
-    pipeline = fusedpc.FusedPipeline(rep)
-    # the compiled step's state arguments: every block's arrays apart, none stacked
-    shapes = {tuple(a.shape) for a in pipeline._carry_flat.leaves}
-    assert (F, D) in shapes and not any(s[:1] == (3,) for s in shapes)
-    before = [np.asarray(a) for a in jax.tree_util.tree_leaves(pipeline.state)]
-    assert before[0].shape[0] == 3  # the public state is stacked as always
-    pipeline.step(batch(1), batch(2))
-    assert jax.tree_util.tree_structure(pipeline.state) == jax.tree_util.tree_structure(
-        rep.init_state(jr.key(0))
-    )

@@ -38,11 +38,8 @@ from fusedpc.core._part import ExportRecord as ExportRecord
 from fusedpc.core._part import LayerNormParams as LayerNormParams
 from fusedpc.core._part import LinearParams as LinearParams
 from fusedpc.core._part import PyTree as PyTree
-from fusedpc.core._part import StateLayout as StateLayout
 from fusedpc.core._part import TableParams as TableParams
-from fusedpc.core._part import children_layout as children_layout
 from fusedpc.core._part import display_path as display_path
-from fusedpc.core._part import field_layout as field_layout
 from fusedpc.core._part import join_path as join_path
 from fusedpc.core._part import replace_fields as replace_fields
 from fusedpc.core._precision import COMPUTE_DTYPES as COMPUTE_DTYPES

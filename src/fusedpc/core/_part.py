@@ -26,60 +26,6 @@ PyTree = Any
 _M = TypeVar("_M", bound=eqx.Module)
 
 
-class StateLayout(NamedTuple):
-    """How a compiled part holds its state inside a fused step, where that differs from the
-    state it declares (`init_state`, checkpoints, `pipeline.state`: the *public* layout).
-
-    * `to_working(state) -> working`: the public state in the step's layout;
-    * `to_public(working) -> state`: back, exactly (the same arrays, restacked or regrouped).
-
-    Both are pure and traceable, neither changes a value, and each returns a state already
-    in its layout unchanged. The part's `forward` and
-    `backward` accept either layout and return the one they were given, so a layout is only
-    an offer: an executor that keeps the working layout between steps (`FusedPipeline`)
-    skips the conversions, and any other caller passes the public state as before. An
-    unrolled `Repeat` uses one: its working state holds each block's state apart instead of
-    stacked, so that the compiler sees N copies of one block (and compiles their kernels
-    once) instead of N slices of stacked arrays (measured in docs/benchmarks.md).
-    """
-
-    to_working: Callable[[PyTree], PyTree]
-    to_public: Callable[[PyTree], PyTree]
-
-
-def children_layout(
-    layouts: dict[Any, StateLayout | None],
-    get: Callable[[PyTree, Any], PyTree],
-    put: Callable[[PyTree, dict[Any, PyTree]], PyTree],
-) -> StateLayout | None:
-    """The layout of a composite whose children have layouts: each child's state converted
-    in place. `layouts` maps a child key to its core's layout (None: kept as it is);
-    `get(state, key)` reads a child's state and `put(state, {key: child_state})` returns the
-    composite's state with those children replaced. None when no child has a layout, so a
-    composite of plain parts has none either."""
-    active = {key: layout for key, layout in layouts.items() if layout is not None}
-    if not active:
-        return None
-
-    def to_working(state: PyTree) -> PyTree:
-        return put(state, {k: layout.to_working(get(state, k)) for k, layout in active.items()})
-
-    def to_public(state: PyTree) -> PyTree:
-        return put(state, {k: layout.to_public(get(state, k)) for k, layout in active.items()})
-
-    return StateLayout(to_working, to_public)
-
-
-def field_layout(cores: dict[str, Core | None]) -> StateLayout | None:
-    """`children_layout` for a state with one field per child (`BlockState`, `GPTState`):
-    `cores` maps a field name to that child's core (None for an absent child)."""
-    return children_layout(
-        {name: None if core is None else core.layout for name, core in cores.items()},
-        getattr,
-        lambda state, changes: replace_fields(state, **changes),
-    )
-
-
 class Core(NamedTuple):
     """A compiled part: three pure functions over explicit state.
 
@@ -92,15 +38,11 @@ class Core(NamedTuple):
       order, or a metrics class of the part's own).
     * `write_back(state) -> part`: a new part tree holding `state`. The executor always hands it
       a fresh copy, so the returned tree never aliases buffers that a later step donates.
-    * `layout` (optional): a `StateLayout` when the part works on its state in another
-      layout inside a fused step (an unrolled `Repeat`, and composites holding one); None
-      for the public layout, which is what parts of your own need.
     """
 
     forward: Callable[[PyTree, Any], tuple[Any, PyTree]]
     backward: Callable[[PyTree, PyTree, Any], tuple[Any, PyTree, PyTree]]
     write_back: Callable[[PyTree], AbstractPart]
-    layout: StateLayout | None = None
 
 
 class AbstractPart(eqx.Module):

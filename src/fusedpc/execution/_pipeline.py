@@ -152,31 +152,13 @@ class FusedPipeline:
         self._predict_jit = jax.jit(self._predict_program)
 
     # ------------------------------------------------------------------ flat storage
-    # The carry is kept in the step's working layout (`StepProgram.working_carry`: an
-    # unrolled Repeat's blocks apart), so that the compiled step never converts it; the
-    # public carry (`carry`, `state`, checkpoints) is rebuilt when read, once per step.
-    # With a mesh the carry stays public: its leaves keep the shardings they were placed
-    # with and stay the donated buffers themselves.
-    @property
-    def _carry_flat(self) -> _Flat:
-        return self._working
-
-    @_carry_flat.setter
-    def _carry_flat(self, flat: _Flat) -> None:
-        self._working = flat
-        self._public: StepCarry | None = None
-
     @property
     def _carry(self) -> StepCarry:
-        if self._public is None:
-            self._public = self.program.public_carry(self._working.tree)
-        return self._public
+        return self._carry_flat.tree
 
     @_carry.setter
     def _carry(self, carry: StepCarry) -> None:
-        working = carry if self.mesh is not None else self.program.working_carry(carry)
-        self._carry_flat = _Flat.of(working)
-        self._public = carry
+        self._carry_flat = _Flat.of(carry)
 
     @property
     def _last(self) -> StepMetrics | None:
@@ -205,7 +187,7 @@ class FusedPipeline:
     def _recording_step(
         self, carry: StepCarry, x: Any, target: Any, mask: Any = None, detailed: bool = True
     ):
-        carry, out = self.program.working_step(carry, x, target, mask, detailed)
+        carry, out = self.program.step(carry, x, target, mask, detailed)
         self._traced_output = jax.ShapeDtypeStruct(jnp.shape(out.output), out.output.dtype)
         return carry, out
 
@@ -436,20 +418,17 @@ class FusedPipeline:
         _validation.check_array(x, "x")
         _validation.check_non_empty(x, "x")
         self._validate_values(x)
-        return self._predict_jit(self._carry_flat.tree.state, self.place_batch(x))
+        return self._predict_jit(self._carry.state, self.place_batch(x))
 
     @property
     def carry(self) -> StepCarry:
         """The current carry (state and counters) as `program.step` takes it: live buffers,
-        donated (hence dead) at the next step. (An unrolled `Repeat`'s stacked leaves are
-        stacked from the working carry when read, so those are fresh arrays; treat every
-        leaf as dead after the next step all the same.)"""
+        donated (hence dead) at the next step."""
         return self._carry
 
     @property
     def state(self) -> PyTree:
-        """The current state pytree (live buffers: donated, hence dead, at the next step;
-        see `carry`)."""
+        """The current state pytree (live buffers: donated, hence dead, at the next step)."""
         return self._carry.state
 
     @property

@@ -379,33 +379,6 @@ class StepProgram:
             return jnp.full((), jnp.nan, jnp.float32)
         return fn.loss(y, target).astype(jnp.float32)
 
-    def working_carry(self, carry: StepCarry) -> StepCarry:
-        """`carry` with its state in the step's working layout (`fusedpc.core.StateLayout`;
-        the same carry when the tree has none). `working_step` takes and returns it; a
-        caller that keeps it between steps saves the conversions (`FusedPipeline` does)."""
-        if self.core.layout is None:
-            return carry
-        return StepCarry(self.core.layout.to_working(carry.state), carry.counters)
-
-    def public_carry(self, carry: StepCarry) -> StepCarry:
-        """A working carry with its state back in the public layout (what `init`, `step`
-        and checkpoints hold)."""
-        if self.core.layout is None:
-            return carry
-        return StepCarry(self.core.layout.to_public(carry.state), carry.counters)
-
-    def _public_flags(self, flags: PyTree) -> PyTree:
-        """Per-leaf flags of a working state as flags of the public state's leaves: a leaf
-        made of several (an unrolled `Repeat`'s stacked blocks) is finite when all are."""
-        if self.core.layout is None:
-            return flags
-
-        def all_of(flag: jax.Array) -> jax.Array:
-            # lax, not jnp.all: a jnp reduction costs the trace about a millisecond per call
-            return flag if not jnp.ndim(flag) else jax.lax.reduce_and(flag, range(flag.ndim))
-
-        return jax.tree_util.tree_map(all_of, self.core.layout.to_public(flags))
-
     def step(
         self, carry: StepCarry, x: Any, target: Any, mask: Any = None, detailed: bool = True
     ) -> tuple[StepCarry, StepOutput]:
@@ -435,15 +408,6 @@ class StepProgram:
         the running mean of committed losses (`"loss spike"`). A refused step keeps the old
         state bit for bit and counts in `counters.skipped` and `counters.skips`.
         """
-        carry, out = self.working_step(self.working_carry(carry), x, target, mask, detailed)
-        return self.public_carry(carry), out
-
-    def working_step(
-        self, carry: StepCarry, x: Any, target: Any, mask: Any = None, detailed: bool = True
-    ) -> tuple[StepCarry, StepOutput]:
-        """`step` over a carry in the working layout (`working_carry`), returning the new
-        carry in that layout: the same arithmetic without converting the state on the way in
-        and out. A public carry is accepted too (every part takes either layout)."""
         state, counters = carry.state, carry.counters
         y, cache = self._forward(state, x)
         checks = self.input_checks(x, target, int(jnp.shape(y)[-1]))
@@ -497,7 +461,7 @@ class StepProgram:
             loss=loss,
             committed=committed,
             parts=part_metrics,
-            state_finite=self._public_flags(state_finite),
+            state_finite=state_finite,
             skip_reason=code,
             input_checks=checks,
             loss_mean=carry.counters.loss_mean,
@@ -571,11 +535,9 @@ class StepProgram:
         not retrace) says which steps compute their parts' report norms; the others are
         `step(..., detailed=False)`: the same update, the same commit rule, every loss, and
         NaN norms. `None` reports every step."""
-        carry, out = scan_steps(
-            self.working_step, self.working_carry(carry), xs, targets, keep_outputs, masks,
-            self.report_flags(report_at),
+        return scan_steps(
+            self.step, carry, xs, targets, keep_outputs, masks, self.report_flags(report_at)
         )
-        return self.public_carry(carry), out
 
     def report_flags(self, report_at: Any) -> Any:
         """The per-step report flags `run` traces with: `None` (every step reports, one step

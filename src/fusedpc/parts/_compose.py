@@ -15,9 +15,7 @@ from fusedpc.core._part import (
     Core,
     ExportRecord,
     PyTree,
-    children_layout,
     display_path,
-    field_layout,
     join_path,
     replace_fields,
 )
@@ -106,14 +104,7 @@ class Sequential(AbstractPart):
             children = tuple(c.write_back(s) for c, s in zip(cores, state.parts))
             return replace_fields(self, parts=children)
 
-        layout = children_layout(
-            {i: core.layout for i, core in enumerate(cores)},
-            lambda state, i: state.parts[i],
-            lambda state, changes: SequentialState(
-                tuple(changes.get(i, sub) for i, sub in enumerate(state.parts))
-            ),
-        )
-        return Core(forward, backward, write_back, layout)
+        return Core(forward, backward, write_back)
 
 
 class ResidualState(eqx.Module):
@@ -170,4 +161,4 @@ class Residual(AbstractPart):
         def write_back(state: ResidualState) -> Residual:
             return replace_fields(self, branch=core.write_back(state.branch))
 
-        return Core(forward, backward, write_back, field_layout({"branch": core}))
+        return Core(forward, backward, write_back)

@@ -21,15 +21,7 @@ from fusedpc.core._gradients import (
     collecting_gradient_squares,
 )
 from fusedpc.core._metrics import Stacked
-from fusedpc.core._part import (
-    AbstractPart,
-    Core,
-    PyTree,
-    StateLayout,
-    display_path,
-    join_path,
-    replace_fields,
-)
+from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
 
 
 class RepeatState(eqx.Module):
@@ -190,14 +182,6 @@ def first_difference(a: Any, b: Any, where: str = "") -> str | None:
     return None
 
 
-class BlockStates(eqx.Module):
-    """An unrolled `Repeat`'s working state inside a fused step: each block's state apart
-    (each in its block's own working layout), where the public `RepeatState.blocks` stacks
-    them on a leading axis. See `fusedpc.core.StateLayout`."""
-
-    states: tuple[PyTree, ...]
-
-
 def _stack(trees: Sequence[PyTree]) -> PyTree:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
 
@@ -306,13 +290,11 @@ class Repeat(AbstractPart):
             names = [join_path(path, "[*]")]
             cores = [self.blocks[0].compile(names[0])]
 
-        def check_block(state: RepeatState, x, one: PyTree = None) -> None:
-            """Trace-time check that a block keeps its input's shape and dtype (`one`: the
-            first block's state, when it is at hand apart)."""
-            if one is None:
-                one = jax.tree_util.tree_map(
-                    lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state.blocks
-                )
+        def check_block(state: RepeatState, x) -> None:
+            """Trace-time check that a block keeps its input's shape and dtype."""
+            one = jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state.blocks
+            )
             y = jax.eval_shape(lambda s, inp: cores[0].forward(s, inp)[0], one, x)
             shape, dtype = getattr(y, "shape", None), getattr(y, "dtype", None)
             if shape != jnp.shape(x) or dtype != jnp.result_type(x):
@@ -321,22 +303,14 @@ class Repeat(AbstractPart):
                     f"and dtype; input {_describe(x)}, output {dtype}{list(shape or ())}."
                 )
 
-        def block_states(state: RepeatState) -> list[PyTree]:
-            """Each block's state, from either layout (unrolled only)."""
-            if isinstance(state.blocks, BlockStates):
-                return list(state.blocks.states)
-            return [_slice(state.blocks, i) for i in range(n)]
-
         def forward(state: RepeatState, x):
+            check_block(state, x)
             if self.unroll:
-                states = block_states(state)
-                check_block(state, x, states[0])
                 caches = []
-                for core, block_state in zip(cores, states):
-                    x, cache = core.forward(block_state, x)
+                for i, core in enumerate(cores):
+                    x, cache = core.forward(_slice(state.blocks, i), x)
                     caches.append(cache)
                 return x, RepeatCache(tuple(caches))
-            check_block(state, x)
 
             def step(h, block_state):
                 return cores[0].forward(block_state, h)
@@ -346,17 +320,12 @@ class Repeat(AbstractPart):
 
         def backward(state: RepeatState, cache: RepeatCache, error):
             if self.unroll:
-                states = block_states(state)
                 new_states, metrics = [None] * n, [None] * n
                 for i in reversed(range(n)):
                     error, new_states[i], metrics[i] = cores[i].backward(
-                        states[i], cache.blocks[i], error
+                        _slice(state.blocks, i), cache.blocks[i], error
                     )
-                if isinstance(state.blocks, BlockStates):  # the layout it was given
-                    new_blocks: PyTree = BlockStates(tuple(new_states))
-                else:
-                    new_blocks = _stack(new_states)
-                return error, RepeatState(blocks=new_blocks), Stacked(_stack(metrics))
+                return error, RepeatState(blocks=_stack(new_states)), Stacked(_stack(metrics))
 
             collecting = collecting_gradient_squares()
 
@@ -386,26 +355,4 @@ class Repeat(AbstractPart):
             )
             return replace_fields(self, blocks=blocks)
 
-        layout = None
-        if self.unroll:
-            layouts = [core.layout for core in cores]
-
-            def to_working(state: RepeatState) -> RepeatState:
-                if isinstance(state.blocks, BlockStates):
-                    return state
-                states = [_slice(state.blocks, i) for i in range(n)]
-                return RepeatState(blocks=BlockStates(tuple(
-                    s if lay is None else lay.to_working(s) for s, lay in zip(states, layouts)
-                )))
-
-            def to_public(state: RepeatState) -> RepeatState:
-                if not isinstance(state.blocks, BlockStates):
-                    return state
-                states = [
-                    s if lay is None else lay.to_public(s)
-                    for s, lay in zip(state.blocks.states, layouts)
-                ]
-                return RepeatState(blocks=_stack(states))
-
-            layout = StateLayout(to_working, to_public)
-        return Core(forward, backward, write_back, layout)
+        return Core(forward, backward, write_back)

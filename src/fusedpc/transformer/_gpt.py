@@ -25,16 +25,7 @@ import jax.numpy as jnp
 
 from fusedpc.core._checks import check_ids, check_part, id_range_check
 from fusedpc.core._metrics import Named, named
-from fusedpc.core._part import (
-    AbstractPart,
-    Core,
-    PyTree,
-    children_layout,
-    display_path,
-    field_layout,
-    join_path,
-    replace_fields,
-)
+from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
 from fusedpc.core._precision import computing_in, resolve_compute_dtype, widened
 from fusedpc.parts._compose import SequentialCache
 
@@ -121,7 +112,7 @@ class TransformerBlock(AbstractPart):
                 self, **{n: cores[n].write_back(getattr(state, n)) for n in names}
             )
 
-        return Core(forward, backward, write_back, field_layout(cores))
+        return Core(forward, backward, write_back)
 
 
 class Blocks(AbstractPart):
@@ -183,12 +174,7 @@ class Blocks(AbstractPart):
                 self, blocks=tuple(c.write_back(s) for c, s in zip(cores, state))
             )
 
-        layout = children_layout(
-            {i: core.layout for i, core in enumerate(cores)},
-            lambda state, i: state[i],
-            lambda state, changes: tuple(changes.get(i, sub) for i, sub in enumerate(state)),
-        )
-        return Core(forward, backward, write_back, layout)
+        return Core(forward, backward, write_back)
 
 
 class GPTState(eqx.Module):
@@ -376,8 +362,4 @@ class GPTPart(AbstractPart):
                 head=head.write_back(state.head),
             )
 
-        layout = field_layout(
-            {"token": token, "position": position, "blocks": blocks, "norm_f": norm_f,
-             "head": head}
-        )
-        return Core(forward, backward, write_back, layout)
+        return Core(forward, backward, write_back)
