@@ -22,9 +22,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+from _rounds import interleaved_rows
 
 VARIANTS = ("apart", "stacked")
 CONFIGS = {
@@ -93,15 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_worker(args.worker, args.config, args.steps)))
         return 0
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "PYTHONPATH": args.src}
-    rows: list[dict] = []
-    for _ in range(args.rounds):
-        for variant in VARIANTS:  # interleaved: the machine is shared and noisy
-            command = [sys.executable, __file__, "--worker", variant, "--src", args.src,
-                       "--config", args.config, "--steps", str(args.steps)]
-            done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = interleaved_rows(
+        __file__, VARIANTS, args.rounds,
+        lambda variant: ["--worker", variant, "--src", args.src, "--config", args.config,
+                         "--steps", str(args.steps)],
+        lambda variant: env,
+    )
     summary: dict = {"summary": True, "config": args.config, "rounds": args.rounds}
     for variant in VARIANTS:
         for field in ("compile_s", "step_ms"):

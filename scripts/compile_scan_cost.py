@@ -19,9 +19,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+from _rounds import interleaved_rows
 
 VARIANTS = ("step", "run", "scan_no_outputs")
 
@@ -74,17 +74,13 @@ def main() -> None:
         print(json.dumps(_worker(args.worker, args.blocks, args.width, args.steps)))
         return
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "JAX_PLATFORMS": "cpu"}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for _ in range(args.rounds):
-        for variant in VARIANTS:
-            done = subprocess.run(
-                [sys.executable, __file__, "--worker", variant, "--blocks", str(args.blocks),
-                 "--width", str(args.width), "--steps", str(args.steps)],
-                env=env, capture_output=True, text=True, check=True,
-            )
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            print(json.dumps(row), flush=True)
-            times[variant].append(row["compile_s"])
+    rows = interleaved_rows(
+        __file__, VARIANTS, args.rounds,
+        lambda variant: ["--worker", variant, "--blocks", str(args.blocks),
+                         "--width", str(args.width), "--steps", str(args.steps)],
+        lambda variant: env,
+    )
+    times = {v: [r["compile_s"] for r in rows if r["variant"] == v] for v in VARIANTS}
     step = statistics.median(times["step"])
     for variant in VARIANTS:
         median = statistics.median(times[variant])

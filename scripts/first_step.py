@@ -22,9 +22,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _rounds import interleaved_rows
 
 VARIANTS = ("one_trace", "two_traces")
 
@@ -103,22 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(v not in VARIANTS for v in own):
         raise SystemExit(f"--variants: expected names from {VARIANTS}, got {args.variants!r}.")
     variants = (*own, *trees)
-    rows: list[dict] = []
-    for _ in range(args.rounds):
-        for variant in variants:  # interleaved: the machine is shared and noisy
-            command = [
-                sys.executable, __file__, "--worker", variant,
-                "--blocks", str(args.blocks), "--width", str(args.width),
-            ]
-            run_env = env
-            if variant in trees:  # another tree's code, its own step as it is
-                run_env = {**env, "PYTHONPATH": trees[variant]}
-            done = subprocess.run(
-                command, capture_output=True, text=True, env=run_env, check=True
-            )
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = interleaved_rows(
+        __file__, variants, args.rounds,
+        lambda variant: ["--worker", variant, "--blocks", str(args.blocks),
+                         "--width", str(args.width)],
+        # another tree's variant runs that tree's code, its own step as it is
+        lambda variant: {**env, "PYTHONPATH": trees[variant]} if variant in trees else env,
+    )
     summary: dict = {"summary": True, "blocks": args.blocks, "width": args.width}
     for variant in variants:
         for field in ("first_step_s", "check_s"):
