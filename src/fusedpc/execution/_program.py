@@ -452,9 +452,8 @@ class StepProgram:
         for number, ok in reversed(list(enumerate((ids_ok, finite, ratio_ok, spike_ok), 1))):
             code = jnp.where(ok, code, jnp.int32(number))
         committed = code == 0
-        # lax.select_n, not jnp.where (which costs the trace about a millisecond per leaf)
         new_state = jax.tree_util.tree_map(
-            lambda n, o: jax.lax.select_n(committed, o, n), new_state, state
+            lambda n, o: jnp.where(committed, n, o), new_state, state
         )
         counters = self._count(counters, code, loss)
         metrics = StepMetrics(
