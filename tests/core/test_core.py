@@ -14,9 +14,16 @@ import pytest
 import fusedpc
 from fusedpc.core._checks import expect_last_axis, expect_rank
 from fusedpc.core._metrics import (
+    PendingFinite,
+    PendingNorm,
     all_finite,
+    dot_squares,
     iter_metrics,
     leaf_norm_finite,
+    measured_together,
+    measuring,
+    resolve_pending,
+    stack_metrics,
     state_norms_finite,
     sums_of_squares,
     tree_norm,
@@ -157,6 +164,86 @@ def test_learning_metrics():
     assert bool(m.finite) and m.layer_sizes == (2, 1)
     bad = fusedpc.core.learning_metrics(old, new, error, jnp.array([[jnp.nan, 0.0]]), (2, 1))
     assert not bool(bad.finite)
+
+
+def test_dot_squares_are_sums_of_squares_whole_or_per_row():
+    rng = np.random.default_rng(1)
+    leaves = [rng.normal(size=s).astype(np.float32) for s in [(5, 3), (2, 4, 6), (7,), ()]]
+    leaves.append(np.ones((2, 3), np.float16))  # another dtype, widened to float32
+    keep = [0, 1, 0, 0, 2]
+    sums = jax.jit(lambda xs: dot_squares(xs, keep))([jnp.asarray(a) for a in leaves])
+    for a, kept, total in zip(leaves, keep, sums, strict=True):
+        assert total.dtype == jnp.float32 and total.shape == a.shape[:kept]
+        expected = np.sum(np.square(a.astype(np.float64)).reshape(*a.shape[:kept], -1), -1)
+        np.testing.assert_allclose(np.asarray(total), expected, rtol=1e-6)
+    assert dot_squares([]) == []
+
+
+def test_learning_metrics_measured_later_equal_measured_at_once():
+    rng = np.random.default_rng(2)
+    old = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), "b": jnp.zeros(3)}
+    new = jax.tree_util.tree_map(lambda a: a + 0.1 * jnp.cos(a + 1.0), old)
+    error = jnp.asarray(rng.normal(size=(2, 3)), jnp.float32)
+    input_error = jnp.asarray(rng.normal(size=(2, 4)), jnp.float32)
+    now = fusedpc.core.learning_metrics(old, new, error, input_error, (4, 3))
+
+    def later(old, new, error, input_error):
+        with measured_together() as measured:
+            pending = fusedpc.core.learning_metrics(
+                old, new, error, input_error, (4, 3), measure_later=True)
+            # the error registered again (as another part's input error): measured once
+            again = fusedpc.core.learning_metrics(
+                new, new, error, None, (3,), measure_later=True)
+        assert isinstance(pending.update_norm, PendingNorm)
+        assert isinstance(pending.finite, PendingFinite)
+        return resolve_pending((pending, again), measured)
+
+    got, again = jax.jit(later)(old, new, error, input_error)
+    for field in ("update_norm", "error_norm", "weight_norm"):
+        np.testing.assert_allclose(float(getattr(got, field)), float(getattr(now, field)),
+                                   rtol=1e-6)
+    assert bool(got.finite) and got.layer_sizes == (4, 3)
+    assert float(again.update_norm) == 0.0 and float(again.error_norm) == float(got.error_norm)
+    # without an open `measured_together`, measure_later measures at once
+    assert measuring() is None
+    direct = fusedpc.core.learning_metrics(old, new, error, None, (4, 3), measure_later=True)
+    assert float(direct.error_norm) == pytest.approx(float(now.error_norm))
+    # a non-finite input error still names the part
+    with measured_together() as measured:
+        bad = fusedpc.core.learning_metrics(
+            old, new, error, input_error.at[0, 0].set(jnp.inf), (4, 3), measure_later=True)
+    assert not bool(resolve_pending(bad, measured).finite)
+
+
+def test_measured_rows_of_a_stack_are_the_rows_own_sums():
+    rng = np.random.default_rng(3)
+    rows_old = [jnp.asarray(rng.normal(size=(3, 2)), jnp.float32) for _ in range(3)]
+    rows_new = [r * 1.5 + 0.25 for r in rows_old]
+
+    def measure(rows_old, rows_new):
+        with measured_together() as measured:
+            stacked_old, stacked_new = jnp.stack(rows_old), jnp.stack(rows_new)
+            metrics = [fusedpc.core.learning_metrics(
+                o, n, n, None, (2,), measure_later=True) for o, n in zip(rows_old, rows_new)]
+            measured.rows_of(rows_old, stacked_old)
+            measured.rows_of(rows_new, stacked_new)
+            whole = measured.add(stacked_new)  # the commit rule's check of the stacked leaf
+            stacked = stack_metrics(metrics)
+        assert isinstance(stacked.update_norm, PendingNorm)
+        assert isinstance(stacked.update_norm.slot, np.ndarray)  # known while tracing
+        totals = measured.totals()
+        return resolve_pending(stacked, measured, totals), totals[whole]
+
+    stacked, whole = jax.jit(measure)(rows_old, rows_new)
+    for i, (o, n) in enumerate(zip(rows_old, rows_new)):
+        o64, n64 = np.asarray(o, np.float64), np.asarray(n, np.float64)
+        np.testing.assert_allclose(float(stacked.update_norm[i]), np.linalg.norm(n64 - o64),
+                                   rtol=1e-6)
+        np.testing.assert_allclose(float(stacked.weight_norm[i]), np.linalg.norm(n64),
+                                   rtol=1e-6)
+    expected = sum(np.sum(np.square(np.asarray(n, np.float64))) for n in rows_new)
+    np.testing.assert_allclose(float(whole), expected, rtol=1e-6)
+    assert np.asarray(stacked.finite).all()
 
 
 def _metric(value: float) -> fusedpc.core.PartMetrics:

@@ -42,6 +42,38 @@ def _leaves(tree):
 
 
 # --------------------------------------------------------------------------- memory contract
+def test_programs_are_traced_with_the_garbage_collector_paused_and_left_as_found():
+    import gc
+
+    from fusedpc.parts import Frozen
+
+    enabled: list[bool] = []  # gc.isenabled() each time the part is traced
+
+    def forward(params, x):
+        del params
+        enabled.append(gc.isenabled())
+        return jnp.tanh(x), None
+
+    def backward(params, cache, error):
+        del params, cache
+        return error
+
+    tree = fusedpc.Sequential([delta_linear(0, 4, 5), Frozen(forward, backward, None)])
+    pipeline = fusedpc.FusedPipeline(tree)
+    x, target = normal(0, (6, 4)), normal(1, (6, 5))
+    assert gc.isenabled()
+    pipeline.step(x, target)
+    pipeline.run(np.stack([np.asarray(x)] * 2), np.stack([np.asarray(target)] * 2))
+    assert enabled and not any(enabled), enabled  # paused while tracing step and run
+    assert gc.isenabled()  # and on again after
+    try:
+        gc.disable()  # a caller's choice is kept
+        pipeline.step(normal(2, (3, 4)), normal(3, (3, 5)))
+        assert len(enabled) > 2 and not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_step_deletes_the_previous_state_only():
     tree = _learning_tree()
     part_arrays = _leaves(tree)

@@ -11,6 +11,7 @@ import pytest
 
 import fusedpc
 from fusedpc import frozen
+from helpers import run_at_default_level
 
 
 def _tree(seed: int = 0) -> fusedpc.Sequential:
@@ -249,6 +250,40 @@ def test_report_cadence_reports_equal_full_metrics_and_losses_every_step():
         cadence.run(xs, xs, report_every=0)
     with pytest.raises(ValueError, match=r"report_at: expected 7 booleans"):
         cadence.run(xs, xs, report_at=np.ones(3, bool))
+
+
+_REPORTS_AT_DEFAULT_LEVEL = """
+import json, jax, numpy as np, optax, fusedpc
+
+def pipeline():
+    config = fusedpc.GPTConfig(vocab_size=11, width=16, n_heads=4, n_blocks=2, ff_width=32,
+                               max_len=8, learn="all")
+    part, _ = fusedpc.build_gpt(config, optax.adam(1e-2), jax.random.key(0))
+    return fusedpc.FusedPipeline(part, config.error_fn)
+
+xs = np.asarray(jax.random.randint(jax.random.key(1), (7, 2, 8), 0, 11))
+full, cadence, stepped = pipeline(), pipeline(), pipeline()
+full.run(xs, xs, keep_outputs=False)
+cadence.run(xs, xs, keep_outputs=False, report_every=3)
+reports = []
+for x in xs:
+    stepped.step(x, x)
+    reports.append(stepped.report())
+print(json.dumps({
+    "cadence": all(cadence.report(index=i) == full.report(index=i) for i in (2, 5, 6)),
+    "step": all(reports[i] == full.report(index=i) for i in range(7)),
+    "rows": len(reports[0]),
+}))
+"""
+
+
+def test_reports_are_equal_in_step_run_and_cadence_at_the_default_level():
+    # The report norms are measured together at the end of each step, as dot products of
+    # the arrays as written (a reduction would fuse their producers and round by its
+    # kernel): the same bits in `step`, in `run` and in `run` with a cadence, at XLA's
+    # default optimisation level (what users get) as at the suite's level 0 (above).
+    outcome = run_at_default_level("-c", _REPORTS_AT_DEFAULT_LEVEL, timeout=600)
+    assert outcome == {"cadence": True, "step": True, "rows": 18}
 
 
 def test_steps_between_reports_keep_the_commit_rule():

@@ -211,6 +211,15 @@ def test_a_block_that_changes_the_shape_is_a_trace_error_naming_the_path():
         r"input float32\[3, 4, 4\], output float32\[3, 4, 6\]",
     ):
         pipe.check(batch(1), batch(2))
+    # Unrolled, each block is checked on its own trace and named by its index.
+    unrolled = fusedpc.FusedPipeline(fusedpc.Sequential(
+        [Repeat.from_factory(lambda k: learner(k, D, F), 2, jr.key(0), unroll=True)]))
+    with pytest.raises(
+        ValueError,
+        match=r"parts\[0\]\[0\]: a repeated block must keep its input's shape and dtype; "
+        r"input float32\[3, 4, 4\], output float32\[3, 4, 6\]",
+    ):
+        unrolled.check(batch(1), batch(2))
     # Errors inside a block name the block template's path.
     with pytest.raises(
         ValueError, match=r"parts\[0\]\[\*\]: expected input of shape \(\.\.\., 4\)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
@@ -266,6 +266,28 @@ def sums_of_squares(leaves: list[jax.Array]) -> list[jax.Array]:
     return sums
 
 
+def dot_squares(leaves: list[jax.Array], keep: Sequence[int] | None = None
+                ) -> list[jax.Array]:
+    """$\\sum x^2$ (float32) of each array as the dot product $x \\cdot x$ (`keep[i]`
+    leading axes of array `i` kept: one product per row, a batched dot; default none).
+
+    A dot reads its operands as they are in memory, while an XLA:CPU reduction fuses their
+    producers into its own kernel and computes them again: the step's report norms, taken by
+    reductions, cost it a set of large kernels of their own (compile time) and the work of
+    their producers twice (step time), and a sum's last bit depended on what its kernel had
+    fused. Taken by dots, every sum is the same whatever the program around it. The dots run
+    at `Precision.HIGHEST` (float32 products, not TF32 or bfloat16 passes, on every
+    backend)."""
+    keep = [0] * len(leaves) if keep is None else list(keep)
+    sums = []
+    for leaf, kept in zip(leaves, keep, strict=True):
+        x = jnp.asarray(leaf).astype(jnp.float32)
+        rows, rest = tuple(range(kept)), tuple(range(kept, x.ndim))
+        sums.append(jax.lax.dot_general(
+            x, x, ((rest, rest), (rows, rows)), precision=jax.lax.Precision.HIGHEST))
+    return sums
+
+
 def inexact_leaves(tree: PyTree) -> list[jax.Array]:
     """The leaves of `tree` with a floating (or complex) dtype."""
     return [leaf for leaf in jax.tree_util.tree_leaves(tree) if is_inexact(leaf)]
@@ -295,6 +317,8 @@ def learning_metrics(
     error: jax.Array,
     input_error: Any,
     layer_sizes: tuple[int, ...],
+    *,
+    measure_later: bool = False,
 ) -> PartMetrics:
     """The standard report of a learning part: norms of the update, error and weights.
 
@@ -302,6 +326,11 @@ def learning_metrics(
     norm non-finite) rather than a separate pass over every array: the flag only *names* the
     part in reports; whether a step is committed is decided by the executor's own check of
     the whole new state. (A norm above ~1e19 overflows float32 and also reads as non-finite.)
+
+    With `measure_later=True`, inside a step's `measured_together` (the executor's step), the
+    norms and the flag are `PendingNorm`/`PendingFinite` nodes that the step measures
+    together with every other part's at its end (`resolve_pending`): read them only from the
+    step's output, not inside the backward. Elsewhere it measures them at once, as without it.
     """
     if not reports_detailed():
         unmeasured = jnp.full((), jnp.nan, jnp.float32)
@@ -310,6 +339,19 @@ def learning_metrics(
             error_norm=unmeasured,
             weight_norm=unmeasured,
             finite=jnp.array(True),
+            layer_sizes=tuple(int(s) for s in layer_sizes),
+        )
+    measured = measuring() if measure_later else None
+    if measured is not None:
+        update, weight = measured.add_difference(new_params, old_params), measured.add(new_params)
+        checked = [update, weight]
+        if input_error is not None:
+            checked.append(measured.add(input_error))
+        return PartMetrics(
+            update_norm=PendingNorm(np.int32(update)),  # type: ignore[arg-type]
+            error_norm=PendingNorm(np.int32(measured.add(error))),  # type: ignore[arg-type]
+            weight_norm=PendingNorm(np.int32(weight)),  # type: ignore[arg-type]
+            finite=PendingFinite(np.asarray(checked, np.int32)),  # type: ignore[arg-type]
             layer_sizes=tuple(int(s) for s in layer_sizes),
         )
     update = jax.tree_util.tree_map(lambda n, o: n - o, new_params, old_params)
@@ -325,6 +367,208 @@ def learning_metrics(
         finite=finite,
         layer_sizes=tuple(int(s) for s in layer_sizes),
     )
+
+
+class PendingNorm(eqx.Module):
+    """A report norm not yet measured: the square root of the sum of squares that the step's
+    `measured_together` gathers under `slot` (an int32 NumPy value, stacked with its part's
+    metrics like any leaf: `stack_metrics` keeps it on the host). `resolve_pending` puts the
+    norm in its place."""
+
+    slot: Any
+
+
+class PendingFinite(eqx.Module):
+    """A part's `finite` flag not yet read: whether the sums of squares under every one of
+    `slots` (int32 NumPy values, last axis) are finite."""
+
+    slots: Any
+
+
+def stack_metrics(trees: Sequence[PyTree]) -> PyTree:
+    """The metrics of N blocks stacked leafwise (a leading axis N), host (NumPy) leaves kept
+    on the host: the pending norms' slots stay known while the step is traced."""
+
+    def stack(*leaves: Any) -> Any:
+        if all(isinstance(x, np.ndarray | np.generic) for x in leaves):
+            return np.stack(leaves)
+        return jnp.stack(leaves)
+
+    return jax.tree_util.tree_map(stack, *trees)
+
+
+def _is_pending(node: Any) -> bool:
+    return isinstance(node, PendingNorm | PendingFinite)
+
+
+def _key(leaf: Any) -> int:
+    return id(leaf)
+
+
+class Measured:
+    """The sums of squares that one step's reports and commit rule need, gathered while the
+    step is traced and taken together at its end (`measured_together`).
+
+    Each registration (`add`, `add_difference`) is one *slot*: the sum of squares of a tree's
+    leaves, or of the difference of two trees. At the end (`totals`) every array is measured
+    once as a dot product with itself (`dot_squares`): an array registered twice (a part's
+    error is the next part's input error; a part's new weights are state leaves the commit
+    rule checks) is measured once, and arrays that are rows of a stacked array (`rows_of`: an
+    unrolled `Repeat`'s blocks) are measured on the stacked array as it was written, one
+    product per row."""
+
+    def __init__(self) -> None:
+        self._slots: list[list[tuple[Any, ...]]] = []
+        self._rows: dict[int, tuple[Any, int]] = {}
+        self._held: list[Any] = []  # keeps every keyed object alive, so ids stay unique
+
+    def add(self, tree: PyTree) -> int:
+        """A slot for $\\sum x^2$ over the inexact leaves of `tree`."""
+        leaves = inexact_leaves(tree)
+        self._held.extend(leaves)
+        self._slots.append([("square", leaf) for leaf in leaves])
+        return len(self._slots) - 1
+
+    def add_difference(self, new: PyTree, old: PyTree) -> int:
+        """A slot for $\\sum (n - o)^2$ over the leaves of two trees of one structure."""
+        pairs = [
+            (n, o) for n, o in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(old),
+                                   strict=True) if is_inexact(n)
+        ]
+        self._held.extend(x for pair in pairs for x in pair)
+        self._slots.append([("difference", n, o) for n, o in pairs])
+        return len(self._slots) - 1
+
+    def add_each(self, tree: PyTree) -> PyTree:
+        """A slot per leaf of `tree` (a tree of slots, `None` for integer leaves)."""
+        return jax.tree_util.tree_map(
+            lambda leaf: self.add(leaf) if is_inexact(leaf) else None, tree)
+
+    def rows_of(self, pieces: Sequence[PyTree], stacked: PyTree) -> None:
+        """Record that leaf `j` of `pieces[i]` equals row `i` of leaf `j` of `stacked`."""
+        columns = jax.tree_util.tree_leaves(stacked)
+        for i, piece in enumerate(pieces):
+            for leaf, whole in zip(jax.tree_util.tree_leaves(piece), columns, strict=True):
+                self._held.extend((leaf, whole))
+                self._rows[_key(leaf)] = (whole, i)
+
+    def _locate(self, leaf: Any) -> tuple[Any, tuple[int, ...]]:
+        """The outermost stacked array `leaf` is a row (of a row...) of, and the row index."""
+        index: tuple[int, ...] = ()
+        while _key(leaf) in self._rows:
+            leaf, i = self._rows[_key(leaf)]
+            index = (i, *index)
+        return leaf, index
+
+    def totals(self) -> list[jax.Array]:
+        """Every slot's sum of squares (float32), in slot order."""
+        # what to reduce: (kind, arrays...) keyed by the arrays' identity, with how many
+        # leading (row) axes to keep
+        wanted: dict[tuple, list] = {}
+        terms: list[list[tuple[tuple, tuple[int, ...]]]] = []
+        for slot in self._slots:
+            resolved = []
+            for term in slot:
+                if term[0] == "square":
+                    base, index = self._locate(term[1])
+                    key: tuple = ("square", _key(base))
+                    operands: tuple = (base,)
+                else:
+                    (new, at), (old, at_old) = self._locate(term[1]), self._locate(term[2])
+                    if at != at_old or jnp.shape(new) != jnp.shape(old):
+                        new, old, at = term[1], term[2], ()  # not rows of one layout
+                    key, operands, index = ("difference", _key(new), _key(old)), (new, old), at
+                entry = wanted.setdefault(key, [operands, 0])
+                entry[1] = max(entry[1], len(index))
+                resolved.append((key, index))
+            terms.append(resolved)
+        keys = list(wanted)
+        arrays = []
+        for key in keys:
+            operands = wanted[key][0]
+            x = jnp.asarray(operands[0]).astype(jnp.float32)
+            if key[0] == "difference":
+                x = x - jnp.asarray(operands[1]).astype(jnp.float32)
+            arrays.append(x)
+        sums = dot_squares(arrays, [wanted[k][1] for k in keys])
+        by_key = dict(zip(keys, sums, strict=True))
+        zero = jnp.zeros((), jnp.float32)
+        totals = []
+        for resolved in terms:
+            total = zero
+            for key, index in resolved:
+                rows = by_key[key]  # (leading axes kept...)
+                picked = rows[index] if index else rows
+                total = total + (jnp.sum(picked) if jnp.ndim(picked) else picked)
+            totals.append(total)
+        return totals
+
+
+_MEASURING: list[Measured] = []
+
+
+@contextlib.contextmanager
+def measured_together() -> Iterator[Measured]:
+    """Trace the parts inside with their report norms gathered (`learning_metrics(...,
+    measure_later=True)` hands back `PendingNorm`/`PendingFinite` nodes), to be measured all
+    at once by `resolve_pending`. Part by part, each part's reductions fuse with their own
+    producers into kernels of their own, and the step's compile time grows with its kernels.
+
+    Values traced inside must be resolved in the same trace: a part that traces its children
+    inside a `lax.scan` body opens its own `measured_together` there and resolves it before
+    the body returns (`Repeat` does)."""
+    measured = Measured()
+    _MEASURING.append(measured)
+    try:
+        yield measured
+    finally:
+        _MEASURING.pop()
+
+
+def measuring() -> Measured | None:
+    """The active `measured_together` collection, or `None`."""
+    return _MEASURING[-1] if _MEASURING else None
+
+
+@contextlib.contextmanager
+def measured_now() -> Iterator[None]:
+    """Trace the parts inside with their report norms measured where they are (what a part
+    that traces its children in another trace, a `lax.scan` body, uses around them when it
+    does not resolve them itself)."""
+    _MEASURING.append(None)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        _MEASURING.pop()
+
+
+def resolve_pending(tree: PyTree, measured: Measured, totals: list[jax.Array] | None = None
+                    ) -> PyTree:
+    """`tree` with every `PendingNorm` and `PendingFinite` replaced by its value, read off
+    `totals` (`measured.totals()` when not given)."""
+    if not any(_is_pending(n) for n in jax.tree_util.tree_leaves(tree, is_leaf=_is_pending)):
+        return tree
+    if totals is None:
+        totals = measured.totals()
+    vector: list[Any] = []  # built once, only for slots that are arrays of the trace
+
+    def pick(slots: Any) -> jax.Array:
+        if isinstance(slots, np.ndarray | np.generic):  # known while tracing: no gather
+            slots = np.asarray(slots)
+            picked = [totals[int(i)] for i in slots.reshape(-1)]
+            return picked[0] if slots.ndim == 0 else jnp.stack(picked).reshape(slots.shape)
+        if not vector:
+            vector.append(jnp.stack(totals))
+        return vector[0][slots]
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, PendingNorm):
+            return jnp.sqrt(pick(node.slot))
+        if isinstance(node, PendingFinite):
+            return jnp.all(jnp.isfinite(pick(node.slots)), axis=-1)
+        return node
+
+    return jax.tree_util.tree_map(resolve, tree, is_leaf=_is_pending)
 
 
 def iter_metrics(tree: PyTree, prefix: str = "") -> Iterator[tuple[str, AbstractMetrics]]:

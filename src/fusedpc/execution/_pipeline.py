@@ -8,7 +8,9 @@ request, and turns the last step's metrics into reports and checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -43,6 +45,26 @@ class NonFiniteStepError(FloatingPointError):
 class InputRangeError(ValueError):
     """Raised (policy `"raise"`) when a step's ids (token ids, class ids) were out of range;
     names the argument, the value and the range."""
+
+
+@contextlib.contextmanager
+def collection_paused(pause: bool = True) -> Iterator[None]:
+    """Python's cyclic garbage collector held off inside (when `pause`), as it was after.
+
+    Tracing and lowering a GPT's step makes hundreds of thousands of Python objects, enough
+    to start a full collection over everything the process holds (JAX's own caches
+    included) in the middle of the first step: about a fifth of the trace's time at config
+    S. The pipeline pauses it while it traces a program and during the first call of each
+    (which lowers and compiles it); the garbage made meanwhile is collected afterwards as
+    usual."""
+    if not pause or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class FusedPipeline:
@@ -130,6 +152,7 @@ class FusedPipeline:
         self._last_stacked = False
         self._pending_flat: _Flat | None = None
         self._outputs: dict = {}  # batch signature -> the output's shape, from the one trace
+        self._compiled: set = set()  # (program, batch signature) called once (so compiled)
         self._metrics_structures: dict = {}  # batch signature -> the metrics' treedef
         self._traced_output: jax.ShapeDtypeStruct | None = None
         self._traced_metrics: Any = None
@@ -300,7 +323,8 @@ class FusedPipeline:
         a new signature is always a fresh trace, which records the output's shape."""
         if signature not in self._outputs:
             self._traced_output = None  # never another signature's shape
-            jitted.trace(*args, **kwargs)
+            with collection_paused():
+                jitted.trace(*args, **kwargs)
             self._outputs[signature] = self._traced_output
             self._metrics_structures[signature] = self._traced_metrics
         return self._outputs[signature]
@@ -327,9 +351,11 @@ class FusedPipeline:
         _validation.check_class_ids(
             self.error_fn, target, out.shape[-1], "target", self.check_device_ids
         )
-        leaves, output, input_error, metrics = self._step_jit(
-            self._carry_flat.leaves, x, target_placed, mask_placed
-        )
+        with collection_paused(("step", signature) not in self._compiled):
+            leaves, output, input_error, metrics = self._step_jit(
+                self._carry_flat.leaves, x, target_placed, mask_placed
+            )
+        self._compiled.add(("step", signature))
         self._carry_flat = self._carry_flat.replaced(leaves)
         self._last_flat = self._pending_flat = _Flat(self._metrics_structures[signature], metrics)
         self._last_stacked = False
@@ -383,10 +409,12 @@ class FusedPipeline:
         _validation.check_class_ids(
             self.error_fn, targets, out.shape[-1], "targets", self.check_device_ids
         )
-        leaves, outputs, input_errors, metrics = self._run_jit(
-            self._carry_flat.leaves, xs, targets_placed, masks_placed, report_at,
-            keep_outputs=keep_outputs,
-        )
+        with collection_paused(("run", signature) not in self._compiled):
+            leaves, outputs, input_errors, metrics = self._run_jit(
+                self._carry_flat.leaves, xs, targets_placed, masks_placed, report_at,
+                keep_outputs=keep_outputs,
+            )
+        self._compiled.add(("run", signature))
         self._carry_flat = self._carry_flat.replaced(leaves)
         self._last_flat = self._pending_flat = _Flat(self._metrics_structures[signature], metrics)
         self._last_stacked = True

@@ -42,9 +42,10 @@ from fusedpc.core._metrics import (
     PartMetrics,
     all_finite,
     detailed_reports,
+    measured_together,
     metric_leaves,
     metrics_finite,
-    state_norms_finite,
+    resolve_pending,
     tree_norm,
 )
 from fusedpc.core._part import AbstractPart, Core, PyTree
@@ -421,14 +422,20 @@ class StepProgram:
         elif self.error_normalisation == "active":
             error = normalise_active(error)
         detailed = bool(detailed) or self.max_update_ratio is not None
-        with detailed_reports(detailed), scaled:
+        with detailed_reports(detailed), scaled, measured_together() as measured:
             input_error, new_state, part_metrics = self._backward(state, cache, error)
         loss = self._loss(y, target, weights)
 
         ids_ok = jnp.stack([c.ok for c in checks]).all() if checks else jnp.array(True)
         # One flag per state leaf (kept in the metrics to name a bad leaf), then one rule for
-        # all: the same flags name the part in reports.
-        state_finite = state_norms_finite(new_state)
+        # all: the same flags name the part in reports. The state's sums of squares are taken
+        # with the parts' report norms (a part's new weights are state leaves: one reduction).
+        state_slots = measured.add_each(new_state)
+        totals = measured.totals()
+        state_finite = jax.tree_util.tree_map(
+            lambda slot: jnp.array(True) if slot is None else jnp.isfinite(totals[slot]),
+            state_slots, is_leaf=lambda x: x is None)
+        part_metrics = resolve_pending(part_metrics, measured, totals)
         finite_flags = [
             *jax.tree_util.tree_leaves(state_finite),
             all_finite((y, input_error)),
@@ -493,7 +500,8 @@ class StepProgram:
         use the old weights."""
         if self.clip_global_norm is None:
             return self.core.backward(state, cache, error)
-        with collect_gradient_squares() as squares:
+        # the first walk's reports are dropped: gathered apart, never measured
+        with collect_gradient_squares() as squares, measured_together():
             self.core.backward(state, cache, error)
         total = sum(squares, jnp.zeros((), jnp.float32))
         norm = jnp.sqrt(total)

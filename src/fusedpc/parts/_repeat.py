@@ -20,7 +20,13 @@ from fusedpc.core._gradients import (
     collect_gradient_squares,
     collecting_gradient_squares,
 )
-from fusedpc.core._metrics import Stacked
+from fusedpc.core._metrics import (
+    Stacked,
+    measured_together,
+    measuring,
+    resolve_pending,
+    stack_metrics,
+)
 from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
 
 
@@ -290,30 +296,30 @@ class Repeat(AbstractPart):
             names = [join_path(path, "[*]")]
             cores = [self.blocks[0].compile(names[0])]
 
-        def check_block(state: RepeatState, x) -> None:
-            """Trace-time check that a block keeps its input's shape and dtype."""
-            one = jax.tree_util.tree_map(
-                lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state.blocks
-            )
-            y = jax.eval_shape(lambda s, inp: cores[0].forward(s, inp)[0], one, x)
+        def check_block(x, y, name: str) -> None:
+            """Trace-time check that a block kept its input's shape and dtype (on the block's
+            own trace: no trace of its own)."""
             shape, dtype = getattr(y, "shape", None), getattr(y, "dtype", None)
             if shape != jnp.shape(x) or dtype != jnp.result_type(x):
                 raise ValueError(
-                    f"{display_path(names[0])}: a repeated block must keep its input's shape "
+                    f"{display_path(name)}: a repeated block must keep its input's shape "
                     f"and dtype; input {_describe(x)}, output {dtype}{list(shape or ())}."
                 )
 
         def forward(state: RepeatState, x):
-            check_block(state, x)
             if self.unroll:
                 caches = []
                 for i, core in enumerate(cores):
-                    x, cache = core.forward(_slice(state.blocks, i), x)
+                    y, cache = core.forward(_slice(state.blocks, i), x)
+                    check_block(x, y, names[i])
+                    x = y
                     caches.append(cache)
                 return x, RepeatCache(tuple(caches))
 
             def step(h, block_state):
-                return cores[0].forward(block_state, h)
+                y, cache = cores[0].forward(block_state, h)
+                check_block(h, y, names[0])
+                return y, cache
 
             y, caches = jax.lax.scan(step, x, state.blocks)
             return y, RepeatCache(caches)
@@ -321,23 +327,38 @@ class Repeat(AbstractPart):
         def backward(state: RepeatState, cache: RepeatCache, error):
             if self.unroll:
                 new_states, metrics = [None] * n, [None] * n
+                old_states = [_slice(state.blocks, i) for i in range(n)]
                 for i in reversed(range(n)):
                     error, new_states[i], metrics[i] = cores[i].backward(
-                        _slice(state.blocks, i), cache.blocks[i], error
+                        old_states[i], cache.blocks[i], error
                     )
-                return error, RepeatState(blocks=_stack(new_states)), Stacked(_stack(metrics))
+                stacked = _stack(new_states)
+                measured = measuring()
+                if measured is not None:  # the blocks' norms: one sum per row of the stack
+                    measured.rows_of(old_states, state.blocks)
+                    measured.rows_of(new_states, stacked)
+                return error, RepeatState(blocks=stacked), Stacked(stack_metrics(metrics))
 
             collecting = collecting_gradient_squares()
+            measuring_blocks = measuring() is not None
+
+            def block_backward(block_state, block_cache, e):
+                if not measuring_blocks:
+                    return cores[0].backward(block_state, block_cache, e)
+                # a block's report norms are traced in the scan body: measured there
+                with measured_together() as measured:
+                    e, new_state, block_metrics = cores[0].backward(block_state, block_cache, e)
+                return e, new_state, resolve_pending(block_metrics, measured)
 
             def step(e, block):
                 block_state, block_cache = block
                 if not collecting:
-                    e, new_state, block_metrics = cores[0].backward(block_state, block_cache, e)
+                    e, new_state, block_metrics = block_backward(block_state, block_cache, e)
                     return e, (new_state, block_metrics, jnp.zeros((), jnp.float32))
                 # a block's gradient norms are traced in the scan body: summed there and
                 # reported outside the scan (fusedpc.core._gradients)
                 with collect_gradient_squares() as squares:
-                    e, new_state, block_metrics = cores[0].backward(block_state, block_cache, e)
+                    e, new_state, block_metrics = block_backward(block_state, block_cache, e)
                 return e, (new_state, block_metrics, sum(squares, jnp.zeros((), jnp.float32)))
 
             error, (new_states, metrics, squares) = jax.lax.scan(

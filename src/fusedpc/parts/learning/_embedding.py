@@ -160,7 +160,8 @@ class LearningEmbedding(AbstractPart):
             elif self.optimiser is not None:
                 table, opt_state = optax_step(self.optimiser, table, gradient, opt_state)
             new_state = EmbeddingState(table, opt_state, weight_precision)
-            metrics = learning_metrics(state.table, table, error, None, (vocab, width))
+            metrics = learning_metrics(
+                state.table, table, error, None, (vocab, width), measure_later=True)
             return None, new_state, metrics
 
         def write_back(state: EmbeddingState) -> LearningEmbedding:
@@ -262,7 +263,8 @@ class LearningLayerNorm(AbstractPart):
             params, opt_state = norm_affine_step(
                 self.optimiser, state.params, state.opt_state, error, cache.n_hat
             )
-            metrics = learning_metrics(state.params, params, error, input_error, (width,))
+            metrics = learning_metrics(
+                state.params, params, error, input_error, (width,), measure_later=True)
             return input_error, LayerNormState(params, opt_state), metrics
 
         def write_back(state: LayerNormState) -> LearningLayerNorm:

@@ -345,7 +345,8 @@ class IterativeNetwork(AbstractPart):
                 params, opt_state = optax_step(self.optimiser, params, gradients, opt_state)
             new_state = LearningNetworkState(params, state.precisions, opt_state, None)
             input_error = input_error.reshape(*lead, net.sizes[0])
-            base = learning_metrics(state.params, params, error, input_error, net.sizes)
+            base = learning_metrics(
+                state.params, params, error, input_error, net.sizes, measure_later=True)
             if reports_detailed():
                 before = 0.5 * jnp.sum(pis[-1] * clamp * clamp) / n_rows
                 after = energy(final) if trajectory is None else trajectory[-1]

@@ -344,7 +344,8 @@ class LearningNetwork(AbstractPart):
                 params, tuple(new_precisions), opt_state, weight_precision
             )
             input_error = input_error.reshape(*lead, net.sizes[0])
-            metrics = learning_metrics(state.params, params, error, input_error, net.sizes)
+            metrics = learning_metrics(
+                state.params, params, error, input_error, net.sizes, measure_later=True)
             return input_error, new_state, metrics
 
         def write_back(state: LearningNetworkState) -> LearningNetwork:

@@ -108,7 +108,8 @@ class LearningRMSNorm(AbstractPart):
             params, opt_state = norm_affine_step(
                 self.optimiser, state.params, state.opt_state, error, cache.n_hat
             )
-            metrics = learning_metrics(state.params, params, error, input_error, (width,))
+            metrics = learning_metrics(
+                state.params, params, error, input_error, (width,), measure_later=True)
             return input_error, RMSNormState(params, opt_state), metrics
 
         def write_back(state: RMSNormState) -> LearningRMSNorm:
