@@ -208,6 +208,20 @@ def test_learning_metrics_measured_later_equal_measured_at_once():
     assert measuring() is None
     direct = fusedpc.core.learning_metrics(old, new, error, None, (4, 3), measure_later=True)
     assert float(direct.error_norm) == pytest.approx(float(now.error_norm))
+    # in another trace than the collection's (a scan body of a part of your own that opened
+    # none), a part's norms are measured at once: nothing pending leaks out of the body
+
+    def scanned(error):
+        with measured_together():
+            def body(carry, e):
+                m = fusedpc.core.learning_metrics(old, new, e, None, (4, 3), measure_later=True)
+                assert not isinstance(m.error_norm, PendingNorm)
+                return carry, m.error_norm
+            return jax.lax.scan(body, 0.0, jnp.stack([error, 2 * error]))[1]
+
+    norms = jax.jit(scanned)(error)
+    expected = [float(now.error_norm), 2 * float(now.error_norm)]
+    np.testing.assert_allclose(np.asarray(norms), expected, rtol=1e-6)
     # a non-finite input error still names the part
     with measured_together() as measured:
         bad = fusedpc.core.learning_metrics(

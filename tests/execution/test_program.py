@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import run_at_default_level
 
 import fusedpc
 from fusedpc import frozen
-from helpers import run_at_default_level
 
 
 def _tree(seed: int = 0) -> fusedpc.Sequential:

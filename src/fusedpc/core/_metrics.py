@@ -504,7 +504,18 @@ class Measured:
         return totals
 
 
-_MEASURING: list[Measured] = []
+_MEASURING: list[tuple[Measured | None, Any]] = []  # (collection, the trace it gathers in)
+
+
+def _current_trace() -> Any:
+    """The trace values are being staged into now (a `lax.scan` body or a `lax.cond` branch
+    has its own), or `None` where this jax does not say."""
+    try:
+        from jax._src import core as jax_core
+
+        return jax_core.trace_ctx.trace
+    except (ImportError, AttributeError):  # pragma: no cover - other jax versions
+        return None
 
 
 @contextlib.contextmanager
@@ -518,7 +529,7 @@ def measured_together() -> Iterator[Measured]:
     inside a `lax.scan` body opens its own `measured_together` there and resolves it before
     the body returns (`Repeat` does)."""
     measured = Measured()
-    _MEASURING.append(measured)
+    _MEASURING.append((measured, _current_trace()))
     try:
         yield measured
     finally:
@@ -526,20 +537,14 @@ def measured_together() -> Iterator[Measured]:
 
 
 def measuring() -> Measured | None:
-    """The active `measured_together` collection, or `None`."""
-    return _MEASURING[-1] if _MEASURING else None
-
-
-@contextlib.contextmanager
-def measured_now() -> Iterator[None]:
-    """Trace the parts inside with their report norms measured where they are (what a part
-    that traces its children in another trace, a `lax.scan` body, uses around them when it
-    does not resolve them itself)."""
-    _MEASURING.append(None)  # type: ignore[arg-type]
-    try:
-        yield
-    finally:
-        _MEASURING.pop()
+    """The active `measured_together` collection, or `None`: none outside one, and none in
+    another trace than the one it was opened in (inside a `lax.scan` body or a `lax.cond`
+    branch of a part of your own that did not open its own), where a part's norms are then
+    measured at once, as without a collection."""
+    if not _MEASURING:
+        return None
+    measured, trace = _MEASURING[-1]
+    return measured if trace is _current_trace() else None
 
 
 def resolve_pending(tree: PyTree, measured: Measured, totals: list[jax.Array] | None = None
