@@ -504,7 +504,7 @@ class Measured:
         return totals
 
 
-_MEASURING: list[tuple[Measured | None, Any]] = []  # (collection, the trace it gathers in)
+_MEASURING: list[tuple[Measured, Any]] = []  # (collection, the trace it gathers in)
 
 
 def _current_trace() -> Any:
@@ -522,12 +522,14 @@ def _current_trace() -> Any:
 def measured_together() -> Iterator[Measured]:
     """Trace the parts inside with their report norms gathered (`learning_metrics(...,
     measure_later=True)` hands back `PendingNorm`/`PendingFinite` nodes), to be measured all
-    at once by `resolve_pending`. Part by part, each part's reductions fuse with their own
-    producers into kernels of their own, and the step's compile time grows with its kernels.
+    at once by `resolve_pending`, each array once (`Measured`). Measured part by part, by
+    reductions, each part's norms were kernels of their own that computed their operands'
+    producers a second time.
 
-    Values traced inside must be resolved in the same trace: a part that traces its children
-    inside a `lax.scan` body opens its own `measured_together` there and resolves it before
-    the body returns (`Repeat` does)."""
+    Values gathered here must be resolved in this trace. Inside another one (a `lax.scan`
+    body, a `lax.cond` branch) `measuring()` gives `None` and the parts measure at once; a
+    part that traces its children in a scan body may open its own `measured_together` there
+    and resolve it before the body returns (`Repeat` does)."""
     measured = Measured()
     _MEASURING.append((measured, _current_trace()))
     try:

@@ -429,7 +429,7 @@ class StepProgram:
         ids_ok = jnp.stack([c.ok for c in checks]).all() if checks else jnp.array(True)
         # One flag per state leaf (kept in the metrics to name a bad leaf), then one rule for
         # all: the same flags name the part in reports. The state's sums of squares are taken
-        # with the parts' report norms (a part's new weights are state leaves: one reduction).
+        # with the parts' report norms (a part's new weights are state leaves: measured once).
         state_slots = measured.add_each(new_state)
         totals = measured.totals()
         state_finite = jax.tree_util.tree_map(
