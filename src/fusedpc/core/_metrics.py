@@ -193,7 +193,8 @@ def leaf_finite(leaf: Any) -> jax.Array:
 def leaf_norm_finite(leaf: Any) -> jax.Array:
     """Whether one leaf's norm is finite: every entry finite and the sum of squares within
     float32 (a NaN or infinity anywhere, or magnitudes whose norm overflows, read as False).
-    The commit rule checks every state leaf this way, all at once (`state_norms_finite`)."""
+    The commit rule checks every state leaf this way, at the end of the step with the report
+    norms (`Measured.add_each`); `state_norms_finite` applies it to a whole tree."""
     if is_inexact(leaf):
         return jnp.isfinite(jnp.sum(jnp.square(jnp.asarray(leaf).astype(jnp.float32))))
     return jnp.array(True)
@@ -221,7 +222,7 @@ def detailed_reports(detailed: bool) -> Iterator[None]:
     A step traced with `detailed_reports(False)` (`run`'s steps between reports) gets
     `learning_metrics` whose norms are NaN ("not measured") and whose `finite` flag is true:
     the step's commit rule then rests on the executor's own check of every state leaf's
-    norm (`state_norms_finite`), the output, the input error and the loss."""
+    norm (`leaf_norm_finite`), the output, the input error and the loss."""
     _DETAILED.append(bool(detailed))
     try:
         yield
