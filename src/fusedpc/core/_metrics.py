@@ -201,15 +201,20 @@ def leaf_norm_finite(leaf: Any) -> jax.Array:
 
 
 def state_norms_finite(tree: PyTree) -> PyTree:
-    """`leaf_norm_finite` of every leaf of `tree` (a tree of booleans of its structure), the
-    sums of squares of the leaves of one shape taken by one reduction (`sums_of_squares`)."""
-    leaves, structure = jax.tree_util.tree_flatten(tree)
-    inexact = [i for i, leaf in enumerate(leaves) if is_inexact(leaf)]
-    sums = sums_of_squares([leaves[i] for i in inexact])
-    flags: list[jax.Array] = [jnp.array(True)] * len(leaves)
-    for i, total in zip(inexact, sums, strict=True):
-        flags[i] = jnp.isfinite(total)
-    return jax.tree_util.tree_unflatten(structure, flags)
+    """`leaf_norm_finite` of every leaf of `tree` (a tree of booleans of its structure), each
+    sum of squares taken as the step takes it (`Measured.add_each`, `sums_finite`)."""
+    measured = Measured()
+    slots = measured.add_each(tree)
+    return sums_finite(slots, measured.totals())
+
+
+def sums_finite(slots: PyTree, totals: list[jax.Array]) -> PyTree:
+    """For the slots `Measured.add_each` gave, whether each sum of squares in `totals` is
+    finite (`None` slots, integer leaves, are): the tree of flags has the measured tree's
+    structure."""
+    return jax.tree_util.tree_map(
+        lambda slot: jnp.array(True) if slot is None else jnp.isfinite(totals[slot]),
+        slots, is_leaf=lambda x: x is None)
 
 
 _DETAILED: list[bool] = []

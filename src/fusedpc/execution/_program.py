@@ -46,6 +46,7 @@ from fusedpc.core._metrics import (
     metric_leaves,
     metrics_finite,
     resolve_pending,
+    sums_finite,
     tree_norm,
 )
 from fusedpc.core._part import AbstractPart, Core, PyTree
@@ -432,9 +433,7 @@ class StepProgram:
         # with the parts' report norms (a part's new weights are state leaves: measured once).
         state_slots = measured.add_each(new_state)
         totals = measured.totals()
-        state_finite = jax.tree_util.tree_map(
-            lambda slot: jnp.array(True) if slot is None else jnp.isfinite(totals[slot]),
-            state_slots, is_leaf=lambda x: x is None)
+        state_finite = sums_finite(state_slots, totals)
         part_metrics = resolve_pending(part_metrics, measured, totals)
         finite_flags = [
             *jax.tree_util.tree_leaves(state_finite),
