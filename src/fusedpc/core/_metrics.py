@@ -170,10 +170,11 @@ def metric_leaves(tree: PyTree) -> list[AbstractMetrics]:
 
 def metrics_finite(tree: PyTree) -> jax.Array:
     """One boolean: every leaf's `finite` flag (stacked flags included) is true."""
-    flags = [jnp.all(jnp.asarray(m.finite)) for m in metric_leaves(tree)]
+    flags = [jnp.reshape(jnp.asarray(m.finite), (-1,)) for m in metric_leaves(tree)]
     if not flags:
         return jnp.array(True)
-    return jnp.stack(flags).all()
+    # one reduction over all flags (a reduction each would be a kernel each)
+    return jnp.all(jnp.concatenate(flags))
 
 
 
@@ -208,13 +209,22 @@ def state_norms_finite(tree: PyTree) -> PyTree:
     return sums_finite(slots, measured.totals())
 
 
-def sums_finite(slots: PyTree, totals: list[jax.Array]) -> PyTree:
+def sums_finite(slots: PyTree, totals: jax.Array) -> PyTree:
     """For the slots `Measured.add_each` gave, whether each sum of squares in `totals` is
     finite (`None` slots, integer leaves, are): the tree of flags has the measured tree's
-    structure."""
-    return jax.tree_util.tree_map(
-        lambda slot: jnp.array(True) if slot is None else jnp.isfinite(totals[slot]),
-        slots, is_leaf=lambda x: x is None)
+    structure. The flags are taken as one vector and handed out as its entries."""
+    leaves, structure = jax.tree_util.tree_flatten(slots, is_leaf=lambda x: x is None)
+    flags = sums_finite_vector(leaves, totals)
+    return jax.tree_util.tree_unflatten(structure, [flags[i] for i in range(len(leaves))])
+
+
+def sums_finite_vector(slots: Sequence[int | None], totals: jax.Array) -> jax.Array:
+    """`sums_finite` of a flat list of slots as one boolean vector (`None`: true)."""
+    totals = jnp.asarray(totals)
+    n = int(jnp.shape(totals)[0])
+    index = np.asarray([n if s is None else int(s) for s in slots], np.int32)
+    extended = jnp.concatenate([totals, jnp.zeros((1,), totals.dtype)])  # [n]: a finite 0
+    return jnp.isfinite(extended[index])
 
 
 _DETAILED: list[bool] = []
@@ -292,6 +302,102 @@ def dot_squares(leaves: list[jax.Array], keep: Sequence[int] | None = None
         sums.append(jax.lax.dot_general(
             x, x, ((rest, rest), (rows, rows)), precision=jax.lax.Precision.HIGHEST))
     return sums
+
+
+SMALL_ROWS = 8192  # rows of at most this many entries are measured together
+
+
+def row_squares(arrays: Sequence[jax.Array], keep: Sequence[int]
+                ) -> tuple[jax.Array, list[int]]:
+    """$\\sum x^2$ of every row of every array (`keep[i]` leading axes of array `i` are its
+    rows; 0: the array is one row), as one float32 vector, and where each array's rows start
+    in it.
+
+    Arrays whose rows are small (at most `SMALL_ROWS` entries: biases, norms' scales, small
+    matrices) are measured all together (`segment_squares`: copied into one matrix, a
+    handful of kernels however many there are) and come first; the large ones each by its
+    own dot product (`dot_squares`: read where they are, not copied)."""
+    keep = list(keep)
+    rows = [int(np.prod(jnp.shape(x)[:k], dtype=np.int64)) for x, k in zip(arrays, keep)]
+    small = [int(np.prod(jnp.shape(x)[k:], dtype=np.int64)) <= SMALL_ROWS
+             for x, k in zip(arrays, keep, strict=True)]
+    first, at = [0] * len(arrays), 0
+    for order in (True, False):
+        for i, is_small in enumerate(small):
+            if is_small == order:
+                first[i] = at
+                at += rows[i]
+    pieces = []
+    if any(small):
+        pieces.append(segment_squares([x for x, s in zip(arrays, small) if s],
+                                      [k for k, s in zip(keep, small) if s]))
+    large = [i for i, s in enumerate(small) if not s]
+    for i, total in zip(large, dot_squares([arrays[i] for i in large],
+                                           [keep[i] for i in large]), strict=True):
+        pieces.append(jnp.reshape(total, (rows[i],)))
+    if not pieces:
+        return jnp.zeros((0,), jnp.float32), first
+    return (pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)), first
+
+
+_BLOCK_SIZES = (128, 2048, 32768, 524288, 8388608)
+_MAX_BLOCKS = 256
+
+
+def segment_squares(arrays: Sequence[jax.Array], keep: Sequence[int]) -> jax.Array:
+    """$\\sum x^2$ of every row of every array (`keep[i]` leading axes of array `i` are its
+    rows; 0: the array is one row), as one float32 vector: array 0's rows, then array 1's...
+
+    The rows are cut into blocks of one of a few sizes (padded with zeros), the blocks of
+    one size concatenated into one matrix and summed along its rows, and each row's block
+    sums added by one gather: a handful of kernels for any number of arrays. XLA:CPU compiles
+    a kernel for every reduction (several, split in a tree) and every scalar it writes, about
+    6 to 40 ms each, and the step's norms were most of its kernels."""
+    classes: dict[int, list[jax.Array]] = {}
+    placed: list[tuple[int, int, int]] = []  # per row: (block size, first block, blocks)
+    for x, k in zip(arrays, keep, strict=True):
+        shape = jnp.shape(x)
+        rows = int(np.prod(shape[:k], dtype=np.int64))
+        n = int(np.prod(shape[k:], dtype=np.int64))
+        size = next((b for b in _BLOCK_SIZES if n <= b * _MAX_BLOCKS), None)
+        if size is None:
+            size = -(-n // _MAX_BLOCKS)
+        blocks = max(1, -(-n // size))
+        pieces = classes.setdefault(size, [])
+        start = sum(jnp.shape(p)[0] for p in pieces)
+        flat = jnp.reshape(x, (rows, n))
+        if blocks * size != n:
+            flat = jnp.pad(flat, ((0, 0), (0, blocks * size - n)))
+        pieces.append(jnp.reshape(flat, (rows * blocks, size)))
+        placed.extend((size, start + r * blocks, blocks) for r in range(rows))
+    offsets, sums, total = {}, [], 0
+    for size, pieces in classes.items():
+        matrix = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+        offsets[size] = total
+        total += jnp.shape(matrix)[0]
+        sums.append(jnp.sum(matrix * matrix, axis=1))
+    if not placed:
+        return jnp.zeros((0,), jnp.float32)
+    widest = max(blocks for _, _, blocks in placed)
+    index = np.full((len(placed), widest), total, np.int32)  # `total`: the zero after the end
+    for row, (size, first, blocks) in enumerate(placed):
+        index[row, :blocks] = offsets[size] + first + np.arange(blocks)
+    block_sums = jnp.concatenate([*sums, jnp.zeros((1,), jnp.float32)])
+    return jnp.sum(block_sums[index], axis=1)
+
+
+def gather_sums(values: jax.Array, groups: Sequence[Sequence[int]]) -> jax.Array:
+    """`[sum(values[i] for i in group) for group in groups]` as one float32 vector (one
+    gather, one reduction; an empty group sums to 0)."""
+    if not groups:
+        return jnp.zeros((0,), jnp.float32)
+    widest = max(1, max(len(g) for g in groups))
+    n = int(jnp.shape(values)[0])
+    index = np.full((len(groups), widest), n, np.int32)
+    for row, group in enumerate(groups):
+        index[row, :len(group)] = group
+    padded = jnp.concatenate([values, jnp.zeros((1,), values.dtype)])
+    return jnp.sum(padded[index], axis=1)
 
 
 def inexact_leaves(tree: PyTree) -> list[jax.Array]:
@@ -426,6 +532,7 @@ class Measured:
     def __init__(self) -> None:
         self._slots: list[list[tuple[Any, ...]]] = []
         self._rows: dict[int, tuple[Any, int]] = {}
+        self._stacks: dict[int, int] = {}  # array id -> leading axes that are its rows
         self._held: list[Any] = []  # keeps every keyed object alive, so ids stay unique
 
     def add(self, tree: PyTree) -> int:
@@ -458,6 +565,15 @@ class Measured:
                 self._held.extend((leaf, whole))
                 self._rows[_key(leaf)] = (whole, i)
 
+    def stacked_rows(self, stacked: PyTree, axes: int = 1) -> None:
+        """Record that every leaf of `stacked` is a stack of rows on its `axes` leading axes
+        (a scanned `Repeat`'s blocks): it is measured one sum per row, each row by the rule a
+        row of its size gets, so that how an array is measured does not depend on how many
+        rows are stacked."""
+        for leaf in jax.tree_util.tree_leaves(stacked):
+            self._held.append(leaf)
+            self._stacks[_key(leaf)] = max(axes, self._stacks.get(_key(leaf), 0))
+
     def _locate(self, leaf: Any) -> tuple[Any, tuple[int, ...]]:
         """The outermost stacked array `leaf` is a row (of a row...) of, and the row index."""
         index: tuple[int, ...] = ()
@@ -466,8 +582,8 @@ class Measured:
             index = (i, *index)
         return leaf, index
 
-    def totals(self) -> list[jax.Array]:
-        """Every slot's sum of squares (float32), in slot order."""
+    def totals(self) -> jax.Array:
+        """Every slot's sum of squares, one float32 vector in slot order."""
         # what to reduce: (kind, arrays...) keyed by the arrays' identity, with how many
         # leading (row) axes to keep
         wanted: dict[tuple, list] = {}
@@ -484,7 +600,7 @@ class Measured:
                     if at != at_old or jnp.shape(new) != jnp.shape(old):
                         new, old, at = term[1], term[2], ()  # not rows of one layout
                     key, operands, index = ("difference", _key(new), _key(old)), (new, old), at
-                entry = wanted.setdefault(key, [operands, 0])
+                entry = wanted.setdefault(key, [operands, self._stacks.get(key[1], 0)])
                 entry[1] = max(entry[1], len(index))
                 resolved.append((key, index))
             terms.append(resolved)
@@ -496,18 +612,20 @@ class Measured:
             if key[0] == "difference":
                 x = x - jnp.asarray(operands[1]).astype(jnp.float32)
             arrays.append(x)
-        sums = dot_squares(arrays, [wanted[k][1] for k in keys])
-        by_key = dict(zip(keys, sums, strict=True))
-        zero = jnp.zeros((), jnp.float32)
-        totals = []
+        kept = [wanted[k][1] for k in keys]
+        # every row of every array is an entry of one vector; a slot sums some of them
+        squares, first = row_squares(arrays, kept)
+        first_row = dict(zip(keys, first, strict=True))
+        slot_rows = []
         for resolved in terms:
-            total = zero
+            rows: list[int] = []
             for key, index in resolved:
-                rows = by_key[key]  # (leading axes kept...)
-                picked = rows[index] if index else rows
-                total = total + (jnp.sum(picked) if jnp.ndim(picked) else picked)
-            totals.append(total)
-        return totals
+                lead = jnp.shape(wanted[key][0][0])[:wanted[key][1]]
+                numbered = np.arange(int(np.prod(lead, dtype=np.int64))).reshape(lead)
+                picked = numbered[index] if index else numbered
+                rows.extend(int(r) for r in first_row[key] + np.asarray(picked).reshape(-1))
+            slot_rows.append(rows)
+        return gather_sums(squares, slot_rows)
 
 
 _MEASURING: list[tuple[Measured, Any]] = []  # (collection, the trace it gathers in)
@@ -555,31 +673,59 @@ def measuring() -> Measured | None:
     return measured if trace is _current_trace() else None
 
 
-def resolve_pending(tree: PyTree, measured: Measured, totals: list[jax.Array] | None = None
+def resolve_pending(tree: PyTree, measured: Measured, totals: jax.Array | None = None
                     ) -> PyTree:
     """`tree` with every `PendingNorm` and `PendingFinite` replaced by its value, read off
-    `totals` (`measured.totals()` when not given)."""
-    if not any(_is_pending(n) for n in jax.tree_util.tree_leaves(tree, is_leaf=_is_pending)):
+    `totals` (`measured.totals()` when not given).
+
+    All norms are taken as one vector (one gather, one square root) and all flags as
+    another, and every node gets its entries of them: a kernel per value would cost the
+    step's compile more than the values' arithmetic."""
+    nodes = [n for n in jax.tree_util.tree_leaves(tree, is_leaf=_is_pending) if _is_pending(n)]
+    if not nodes:
         return tree
     if totals is None:
         totals = measured.totals()
-    vector: list[Any] = []  # built once, only for slots that are arrays of the trace
-
-    def pick(slots: Any) -> jax.Array:
-        if isinstance(slots, np.ndarray | np.generic):  # known while tracing: no gather
-            slots = np.asarray(slots)
-            picked = [totals[int(i)] for i in slots.reshape(-1)]
-            return picked[0] if slots.ndim == 0 else jnp.stack(picked).reshape(slots.shape)
-        if not vector:
-            vector.append(jnp.stack(totals))
-        return vector[0][slots]
+    totals = jnp.asarray(totals)
+    n_totals = int(jnp.shape(totals)[0])
+    extended = jnp.concatenate([totals, jnp.zeros((1,), totals.dtype)])  # [n]: a finite 0
+    known = [n for n in nodes if isinstance(n.slot if isinstance(n, PendingNorm) else n.slots,
+                                            np.ndarray | np.generic)]
+    norm_rows = [np.asarray(n.slot, np.int32).reshape(-1) for n in known
+                 if isinstance(n, PendingNorm)]
+    flag_rows = [np.asarray(n.slots, np.int32) for n in known if isinstance(n, PendingFinite)]
+    norms = flags = jnp.zeros((0,), jnp.float32)
+    if norm_rows:
+        norms = jnp.sqrt(extended[np.concatenate(norm_rows)])
+    if flag_rows:
+        width = max(1, max(r.shape[-1] for r in flag_rows))
+        index = np.concatenate([
+            np.pad(r.reshape(-1, r.shape[-1]), ((0, 0), (0, width - r.shape[-1])),
+                   constant_values=n_totals) for r in flag_rows])
+        flags = jnp.all(jnp.isfinite(extended[index]), axis=-1)
+    values: dict[int, jax.Array] = {}
+    at_norm = at_flag = 0
+    for node in known:
+        if isinstance(node, PendingNorm):
+            shape = np.shape(node.slot)
+            size = int(np.prod(shape, dtype=np.int64))
+            values[id(node)] = jnp.reshape(norms[at_norm:at_norm + size], shape)
+            at_norm += size
+        else:
+            shape = np.shape(node.slots)[:-1]
+            size = int(np.prod(shape, dtype=np.int64))
+            values[id(node)] = jnp.reshape(flags[at_flag:at_flag + size], shape)
+            at_flag += size
 
     def resolve(node: Any) -> Any:
+        if not _is_pending(node):
+            return node
+        if id(node) in values:
+            return values[id(node)]
+        # slots that are arrays of the trace (stacked by a scan): gathered as they are
         if isinstance(node, PendingNorm):
-            return jnp.sqrt(pick(node.slot))
-        if isinstance(node, PendingFinite):
-            return jnp.all(jnp.isfinite(pick(node.slots)), axis=-1)
-        return node
+            return jnp.sqrt(totals[node.slot])
+        return jnp.all(jnp.isfinite(totals[node.slots]), axis=-1)
 
     return jax.tree_util.tree_map(resolve, tree, is_leaf=_is_pending)
 

@@ -46,9 +46,10 @@ from fusedpc.core._metrics import (
     metric_leaves,
     metrics_finite,
     resolve_pending,
-    sums_finite,
+    sums_finite_vector,
     tree_norm,
 )
+from fusedpc.core._packed import Packed
 from fusedpc.core._part import AbstractPart, Core, PyTree
 from fusedpc.core._precision import computing_in, resolve_compute_dtype, widened
 
@@ -134,12 +135,42 @@ class StepMetrics(eqx.Module):
 
     loss: jax.Array
     committed: jax.Array
-    parts: PyTree
-    state_finite: PyTree = None
+    packed: Packed  # `parts` and `state_finite`, one vector per dtype (see `Packed`)
     skip_reason: jax.Array = None  # type: ignore[assignment]
     input_checks: tuple[IdRangeCheck, ...] = ()
     loss_mean: jax.Array = None  # type: ignore[assignment]
     reported: jax.Array = None  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        loss: jax.Array,
+        committed: jax.Array,
+        parts: PyTree,
+        state_finite: PyTree = None,
+        skip_reason: jax.Array = None,  # type: ignore[assignment]
+        input_checks: tuple[IdRangeCheck, ...] = (),
+        loss_mean: jax.Array = None,  # type: ignore[assignment]
+        reported: jax.Array = None,  # type: ignore[assignment]
+    ) -> None:
+        self.loss = loss
+        self.committed = committed
+        # A hundred or more small report values leave the compiled step as a few vectors
+        # rather than one output (one kernel XLA compiles) each.
+        self.packed = Packed.of((parts, state_finite))
+        self.skip_reason = skip_reason
+        self.input_checks = input_checks
+        self.loss_mean = loss_mean
+        self.reported = reported
+
+    @property
+    def parts(self) -> PyTree:
+        """The parts' metrics tree (rebuilt from `packed` when read)."""
+        return self.packed.unpack()[0]
+
+    @property
+    def state_finite(self) -> PyTree:
+        """One boolean per leaf of the new state (rebuilt from `packed` when read)."""
+        return self.packed.unpack()[1]
 
 
 class StepOutput(eqx.Module):
@@ -433,10 +464,14 @@ class StepProgram:
         # with the parts' report norms (a part's new weights are state leaves: measured once).
         state_slots = measured.add_each(new_state)
         totals = measured.totals()
-        state_finite = sums_finite(state_slots, totals)
+        slot_leaves, slot_structure = jax.tree_util.tree_flatten(
+            state_slots, is_leaf=lambda s: s is None)
+        state_flags = sums_finite_vector(slot_leaves, totals)
+        state_finite = jax.tree_util.tree_unflatten(
+            slot_structure, [state_flags[i] for i in range(len(slot_leaves))])
         part_metrics = resolve_pending(part_metrics, measured, totals)
         finite_flags = [
-            *jax.tree_util.tree_leaves(state_finite),
+            jnp.all(state_flags),
             all_finite((y, input_error)),
             metrics_finite(part_metrics),  # each part's own flag: its norms overflowing count
             jnp.isfinite(tree_norm(error)),
