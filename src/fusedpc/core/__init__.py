@@ -39,6 +39,7 @@ from fusedpc.core._metrics import tree_norm as tree_norm
 from fusedpc.core._module import PartModule as PartModule
 from fusedpc.core._module import as_module as as_module
 from fusedpc.core._module import state_drawn_from_key as state_drawn_from_key
+from fusedpc.core._packed import Packed as Packed
 from fusedpc.core._part import AbstractPart as AbstractPart
 from fusedpc.core._part import Core as Core
 from fusedpc.core._part import ExportRecord as ExportRecord
