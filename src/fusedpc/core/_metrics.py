@@ -523,11 +523,12 @@ class Measured:
 
     Each registration (`add`, `add_difference`) is one *slot*: the sum of squares of a tree's
     leaves, or of the difference of two trees. At the end (`totals`) every array is measured
-    once as a dot product with itself (`dot_squares`): an array registered twice (a part's
-    error is the next part's input error; a part's new weights are state leaves the commit
-    rule checks) is measured once, and arrays that are rows of a stacked array (`rows_of`: an
-    unrolled `Repeat`'s blocks) are measured on the stacked array as it was written, one
-    product per row."""
+    once (`row_squares`: the small ones together, the large ones each as a dot product with
+    itself) and every slot's total is one entry of a vector: an array registered twice (a
+    part's error is the next part's input error; a part's new weights are state leaves the
+    commit rule checks) is measured once, and arrays that are rows of a stacked array
+    (`rows_of`: an unrolled `Repeat`'s blocks; `stacked_rows`: a scanned one's) are measured
+    on the stacked array as it was written, one sum per row."""
 
     def __init__(self) -> None:
         self._slots: list[list[tuple[Any, ...]]] = []
