@@ -131,6 +131,8 @@ class StepMetrics(eqx.Module):
         loss_mean: the running mean loss the loss guard compared this step's loss with.
         reported: whether the parts' report norms were computed (False for `run`'s steps
             between reports, whose `parts` norms are NaN: see `StepProgram.run`).
+        packed: `parts` and `state_finite` as stored (a `fusedpc.core.Packed`, one vector
+            per dtype); `parts` and `state_finite` are properties that rebuild the trees.
     """
 
     loss: jax.Array
