@@ -209,22 +209,33 @@ def state_norms_finite(tree: PyTree) -> PyTree:
     return sums_finite(slots, measured.totals())
 
 
-def sums_finite(slots: PyTree, totals: jax.Array) -> PyTree:
+def _slot_leaves(slots: PyTree) -> tuple[list[Any], Any]:
+    return jax.tree_util.tree_flatten(slots, is_leaf=lambda x: x is None)
+
+
+def sums_finite(slots: PyTree, totals: jax.Array, flags: jax.Array | None = None) -> PyTree:
     """For the slots `Measured.add_each` gave, whether each sum of squares in `totals` is
     finite (`None` slots, integer leaves, are): the tree of flags has the measured tree's
-    structure. The flags are taken as one vector and handed out as its entries."""
-    leaves, structure = jax.tree_util.tree_flatten(slots, is_leaf=lambda x: x is None)
-    flags = sums_finite_vector(leaves, totals)
+    structure. The flags are taken as one vector (`sums_finite_vector`, or `flags` when the
+    caller has it already) and handed out as its entries."""
+    leaves, structure = _slot_leaves(slots)
+    if flags is None:
+        flags = sums_finite_vector(slots, totals)
     return jax.tree_util.tree_unflatten(structure, [flags[i] for i in range(len(leaves))])
 
 
-def sums_finite_vector(slots: Sequence[int | None], totals: jax.Array) -> jax.Array:
-    """`sums_finite` of a flat list of slots as one boolean vector (`None`: true)."""
+def sums_finite_vector(slots: PyTree, totals: jax.Array) -> jax.Array:
+    """`sums_finite` as one boolean vector, an entry per slot in tree order (`None`: true)."""
     totals = jnp.asarray(totals)
     n = int(jnp.shape(totals)[0])
-    index = np.asarray([n if s is None else int(s) for s in slots], np.int32)
-    extended = jnp.concatenate([totals, jnp.zeros((1,), totals.dtype)])  # [n]: a finite 0
-    return jnp.isfinite(extended[index])
+    index = np.asarray([n if s is None else int(s) for s in _slot_leaves(slots)[0]], np.int32)
+    return jnp.isfinite(_with_zero(totals)[index])
+
+
+def _with_zero(vector: jax.Array) -> jax.Array:
+    """`vector` with a 0 after its end: the entry a padded gather index points at (finite,
+    and adding nothing to a sum)."""
+    return jnp.concatenate([vector, jnp.zeros((1,), vector.dtype)])
 
 
 _DETAILED: list[bool] = []
@@ -382,7 +393,7 @@ def segment_squares(arrays: Sequence[jax.Array], keep: Sequence[int]) -> jax.Arr
     index = np.full((len(placed), widest), total, np.int32)  # `total`: the zero after the end
     for row, (size, first, blocks) in enumerate(placed):
         index[row, :blocks] = offsets[size] + first + np.arange(blocks)
-    block_sums = jnp.concatenate([*sums, jnp.zeros((1,), jnp.float32)])
+    block_sums = _with_zero(sums[0] if len(sums) == 1 else jnp.concatenate(sums))
     return jnp.sum(block_sums[index], axis=1)
 
 
@@ -396,8 +407,7 @@ def gather_sums(values: jax.Array, groups: Sequence[Sequence[int]]) -> jax.Array
     index = np.full((len(groups), widest), n, np.int32)
     for row, group in enumerate(groups):
         index[row, :len(group)] = group
-    padded = jnp.concatenate([values, jnp.zeros((1,), values.dtype)])
-    return jnp.sum(padded[index], axis=1)
+    return jnp.sum(_with_zero(values)[index], axis=1)
 
 
 def inexact_leaves(tree: PyTree) -> list[jax.Array]:
@@ -689,7 +699,7 @@ def resolve_pending(tree: PyTree, measured: Measured, totals: jax.Array | None =
         totals = measured.totals()
     totals = jnp.asarray(totals)
     n_totals = int(jnp.shape(totals)[0])
-    extended = jnp.concatenate([totals, jnp.zeros((1,), totals.dtype)])  # [n]: a finite 0
+    extended = _with_zero(totals)  # [n_totals]: a finite 0, for padded rows
     known = [n for n in nodes if isinstance(n.slot if isinstance(n, PendingNorm) else n.slots,
                                             np.ndarray | np.generic)]
     norm_rows = [np.asarray(n.slot, np.int32).reshape(-1) for n in known

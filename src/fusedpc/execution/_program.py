@@ -46,6 +46,7 @@ from fusedpc.core._metrics import (
     metric_leaves,
     metrics_finite,
     resolve_pending,
+    sums_finite,
     sums_finite_vector,
     tree_norm,
 )
@@ -466,11 +467,8 @@ class StepProgram:
         # with the parts' report norms (a part's new weights are state leaves: measured once).
         state_slots = measured.add_each(new_state)
         totals = measured.totals()
-        slot_leaves, slot_structure = jax.tree_util.tree_flatten(
-            state_slots, is_leaf=lambda s: s is None)
-        state_flags = sums_finite_vector(slot_leaves, totals)
-        state_finite = jax.tree_util.tree_unflatten(
-            slot_structure, [state_flags[i] for i in range(len(slot_leaves))])
+        state_flags = sums_finite_vector(state_slots, totals)  # the rule reads it whole
+        state_finite = sums_finite(state_slots, totals, state_flags)
         part_metrics = resolve_pending(part_metrics, measured, totals)
         finite_flags = [
             jnp.all(state_flags),
