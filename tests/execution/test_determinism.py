@@ -143,7 +143,8 @@ def check(n_blocks, steps, batch, seq=8, tiles=None, **options):
     }
 
 # seq 64 in 2 causal tiles (set on the parts), seq 128 in 4 (causal_tiles_for's default);
-# the 2-block case is also the 2-tile one (each case compiles two programs at the default level, ~35 s);
+# the 2-block case is also the 2-tile one (each case compiles two programs at the default
+# level, ~35 s);
 # the last has the modern pieces, whose rotary angles are tied to the data like the mask
 modern = {"norm": "rms", "positions": "rotary", "feed_forward": "swiglu"}
 print(json.dumps([check(1, 10, 2), check(2, 6, 4, 64, tiles=2), check(1, 4, 1, 128),
