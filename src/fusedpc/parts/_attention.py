@@ -98,13 +98,15 @@ def _merge_heads(y: jax.Array, transposed: bool = False) -> jax.Array:
 
 
 def causal_tiles_for(seq_len: int) -> int:
-    """How many query tiles `MultiHeadAttention` splits a sequence into by default: 4 from
-    128 positions (divisible by 4), else 1. Tiling skips the score blocks above the causal
-    diagonal, which pays from 128 positions on; more tiles than 4 add more per-tile overhead
-    than they skip, and at 64 positions two tiles made the whole GPT step slower and its
-    compile longer than one (measured in docs/performance.md, on CPU)."""
+    """How many query tiles `MultiHeadAttention` splits a sequence into by default: from 128
+    positions 4 (divisible by 4) or 2 (even), else 1. Tiling skips the score blocks above the
+    causal diagonal, which pays from 128 positions on; more tiles than 4 add more per-tile
+    overhead than they skip, and at 64 positions two tiles made the whole GPT step slower and
+    its compile longer than one (measured in docs/performance.md, on CPU)."""
     if seq_len >= 128 and seq_len % 4 == 0:
         return 4
+    if seq_len >= 128 and seq_len % 2 == 0:
+        return 2
     return 1
 
 
@@ -461,7 +463,7 @@ class MultiHeadAttention(AbstractPart):
     **Causal tiles.** The queries are processed in `causal_tiles` equal tiles, each against
     its key prefix only (`causal_mix_tiles`), so the masked upper-right blocks of $A$ are never
     computed; the results equal the one-tile computation to float32 rounding. `None` (the
-    default) picks `causal_tiles_for(T)` at trace time (4 tiles from T = 128, else 1);
+    default) picks `causal_tiles_for(T)` at trace time (4 tiles from T = 128, one below 128);
     an explicit count is used for every sequence length (tiles one apart in size when it does
     not divide T, at most T tiles), so windows of any length still work, e.g. in `generate`.
 
