@@ -232,10 +232,10 @@ def sums_finite_vector(slots: PyTree, totals: jax.Array) -> jax.Array:
     return jnp.isfinite(_with_zero(totals)[index])
 
 
-def _with_zero(vector: jax.Array) -> jax.Array:
-    """`vector` with a 0 after its end: the entry a padded gather index points at (finite,
-    and adding nothing to a sum)."""
-    return jnp.concatenate([vector, jnp.zeros((1,), vector.dtype)])
+def _with_zero(*vectors: jax.Array) -> jax.Array:
+    """The `vectors` one after the other, then a 0: the entry a padded gather index points at
+    (finite, and adding nothing to a sum). One concatenation."""
+    return jnp.concatenate([*vectors, jnp.zeros((1,), vectors[0].dtype)])
 
 
 _DETAILED: list[bool] = []
@@ -393,7 +393,7 @@ def segment_squares(arrays: Sequence[jax.Array], keep: Sequence[int]) -> jax.Arr
     index = np.full((len(placed), widest), total, np.int32)  # `total`: the zero after the end
     for row, (size, first, blocks) in enumerate(placed):
         index[row, :blocks] = offsets[size] + first + np.arange(blocks)
-    block_sums = _with_zero(sums[0] if len(sums) == 1 else jnp.concatenate(sums))
+    block_sums = _with_zero(*sums)
     return jnp.sum(block_sums[index], axis=1)
 
 
