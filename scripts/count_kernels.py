@@ -24,12 +24,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # when loaded from elsewhere (tests)
+from compare_trees import CONFIGS as PAIRED_CONFIGS  # noqa: E402  (S and M, as compared there)
 
 CONFIGS = {  # GPTConfig fields and the batch (rows, seq)
     "smoke": ({"width": 16, "n_heads": 2, "n_blocks": 2, "ff_width": 32, "max_len": 8}, (4, 8)),
-    "S": ({"width": 64, "n_heads": 4, "n_blocks": 2, "ff_width": 256, "max_len": 64}, (16, 64)),
-    "M": ({"width": 256, "n_heads": 8, "n_blocks": 4, "ff_width": 1024, "max_len": 128},
-          (32, 128)),
+    **PAIRED_CONFIGS,
 }
 
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
