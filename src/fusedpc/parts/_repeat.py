@@ -193,7 +193,7 @@ def _stack(trees: Sequence[PyTree]) -> PyTree:
 
 
 def _slice(tree: PyTree, i: int) -> PyTree:
-    return jax.tree_util.tree_map(lambda a: a[i], tree)
+    return jax.tree_util.tree_map(lambda a: jax.lax.index_in_dim(a, i, keepdims=False), tree)
 
 
 class Repeat(AbstractPart):
