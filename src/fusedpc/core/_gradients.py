@@ -16,6 +16,11 @@ A part that runs its blocks inside `lax.scan` (`fusedpc.Repeat`) collects its bl
 inside the scan body and reports their sum outside it (`add_gradient_square`), since values
 traced in a scan body cannot leave it otherwise; a part of your own that scans over learning
 parts does the same.
+
+A third, `deferred_updates()`, lets an unrolled `Repeat` apply its blocks' optimisers once
+over the stacked blocks instead of once per block: inside it, each optax step records its
+gradients and hands back stand-ins for the new parameters and optimiser state, which the
+`Repeat` replaces by rows of the stacked update (`DeferredUpdate`).
 """
 
 from __future__ import annotations
@@ -69,6 +74,58 @@ def clip_gradients(norm: jax.Array, max_norm: float) -> Iterator[None]:
         _CLIP.reset(token)
 
 
+class DeferredUpdate:
+    """One optax step recorded by `deferred_updates`: what the step was asked
+    (`apply(params, gradients, opt_state) -> (new_params, new_state)`, the optimiser's update
+    applied to `params`; `optimiser` tells which steps may run together) and the stand-ins it
+    handed back for the new parameters and state (zeros of the new values' shapes and dtypes,
+    which must be replaced before the step's values are read)."""
+
+    def __init__(self, optimiser: Any, apply: Any, params: Any, gradients: Any,
+                 opt_state: Any, new_params: Any, new_state: Any):
+        self.optimiser = optimiser
+        self.apply = apply
+        self.params = params
+        self.gradients = gradients
+        self.opt_state = opt_state
+        self.new_params = new_params
+        self.new_state = new_state
+
+
+_DEFERRING: list[tuple[list[DeferredUpdate], Any]] = []  # (records, the trace they belong to)
+
+
+def _current_trace() -> Any:
+    try:
+        from jax._src import core as jax_core
+
+        return jax_core.trace_ctx.trace
+    except (ImportError, AttributeError):  # pragma: no cover - other jax versions
+        return None
+
+
+@contextlib.contextmanager
+def deferred_updates() -> Iterator[list[DeferredUpdate]]:
+    """Record, instead of applying, the optax steps traced inside (in this trace only: a step
+    traced inside a `lax.scan` body or a `lax.cond` branch is applied as usual). Each gets a
+    `DeferredUpdate` in the yielded list, in the order they were traced; the caller must
+    compute every recorded step and put the results where the stand-ins went."""
+    records: list[DeferredUpdate] = []
+    _DEFERRING.append((records, _current_trace()))
+    try:
+        yield records
+    finally:
+        _DEFERRING.pop()
+
+
+def deferring() -> list[DeferredUpdate] | None:
+    """The active `deferred_updates` records, or `None` (none active, or another trace)."""
+    if not _DEFERRING:
+        return None
+    records, trace = _DEFERRING[-1]
+    return records if trace is _current_trace() else None
+
+
 def hook_gradients(gradients: Any) -> Any:
     """What an optax step calls on its gradients: reports their squared norm to an active
     collection and clips them under an active `clip_gradients`."""
@@ -91,9 +148,12 @@ def hook_gradients(gradients: Any) -> Any:
 
 
 __all__ = [
+    "DeferredUpdate",
     "add_gradient_square",
     "clip_gradients",
     "collect_gradient_squares",
     "collecting_gradient_squares",
+    "deferred_updates",
+    "deferring",
     "hook_gradients",
 ]

@@ -3,6 +3,7 @@ compiled program (and its compile time) does not grow with N."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import types
@@ -16,9 +17,11 @@ import numpy as np
 
 from fusedpc.core._checks import check_part
 from fusedpc.core._gradients import (
+    DeferredUpdate,
     add_gradient_square,
     collect_gradient_squares,
     collecting_gradient_squares,
+    deferred_updates,
 )
 from fusedpc.core._metrics import (
     Stacked,
@@ -196,6 +199,83 @@ def _slice(tree: PyTree, i: int) -> PyTree:
     return jax.tree_util.tree_map(lambda a: jax.lax.index_in_dim(a, i, keepdims=False), tree)
 
 
+def _stacked_operand(pieces: Sequence[PyTree], rows: dict[int, tuple[Any, int]]) -> PyTree:
+    """`pieces` (one tree per block) stacked leafwise; a leaf whose pieces are rows 0..N-1 of
+    one stacked array (the blocks' old state, read as slices) is that array itself."""
+    def stack(*leaves):
+        found = [rows.get(id(leaf)) for leaf in leaves]
+        if all(f is not None for f in found):
+            wholes = {id(f[0]) for f in found}  # type: ignore[index]
+            if len(wholes) == 1 and [f[1] for f in found] == list(range(len(leaves))):  # type: ignore[index]
+                return found[0][0]  # type: ignore[index]
+        return jnp.stack(leaves)
+
+    return jax.tree_util.tree_map(stack, *pieces)
+
+
+def _apply_stacked(records: list[DeferredUpdate], old_states: Sequence[PyTree],
+                   stacked_old: PyTree, new_states: Sequence[PyTree]) -> PyTree:
+    """The blocks' new states stacked, with the optax steps their parts deferred
+    (`deferred_updates`) applied once over the stacked blocks: call $c$ of every block runs
+    as one `jax.vmap` of its optimiser over the blocks' stacked gradients, parameters and
+    optimiser states, so that XLA updates every block in one kernel per shape and writes the
+    stacked state directly, as a scan body would, instead of one kernel per block and shape
+    followed by a concatenation. Each block's results are the same numbers as its own update
+    (the optimiser runs per block under `vmap`)."""
+    n = len(new_states)
+    if len(records) % n:
+        raise AssertionError(  # blocks are structurally identical: a bug if this happens
+            f"Repeat: {len(records)} optimiser steps recorded over {n} blocks.")
+    per_block = len(records) // n
+    # traced from the last block to the first
+    calls = [records[(n - 1 - i) * per_block:(n - i) * per_block] for i in range(n)]
+    rows: dict[int, tuple[Any, int]] = {}
+    for i, piece in enumerate(old_states):
+        for leaf, whole in zip(jax.tree_util.tree_leaves(piece),
+                               jax.tree_util.tree_leaves(stacked_old), strict=True):
+            rows[id(leaf)] = (whole, i)
+    placed: dict[int, tuple[Any, int]] = {}  # a stand-in's id -> (stacked result, block)
+    for c in range(per_block):
+        steps = [calls[i][c] for i in range(n)]
+        if all(step.optimiser is steps[0].optimiser for step in steps):
+            params, state = jax.vmap(steps[0].apply)(
+                _stacked_operand([step.params for step in steps], rows),
+                jax.tree_util.tree_map(lambda *g: jnp.stack(g),
+                                       *[step.gradients for step in steps]),
+                _stacked_operand([step.opt_state for step in steps], rows),
+            )
+            results = [(params, state)] * n
+            at = list(range(n))
+        else:  # not one optimiser object: each block's own step, stacked as before
+            results = [step.apply(step.params, step.gradients, step.opt_state)
+                       for step in steps]
+            at = [-1] * n
+        for i, step in enumerate(steps):
+            for stand_ins, values in zip((step.new_params, step.new_state), results[i]):
+                for stand_in, value in zip(jax.tree_util.tree_leaves(stand_ins),
+                                           jax.tree_util.tree_leaves(values), strict=True):
+                    placed[id(stand_in)] = (value, at[i])
+    used: set[int] = set()
+
+    def stack(*leaves):
+        found = [placed.get(id(leaf)) for leaf in leaves]
+        if all(f is None for f in found):
+            return jnp.stack(leaves)
+        if any(f is None for f in found):
+            raise AssertionError("Repeat: blocks put their new parameters in different places.")
+        used.update(id(leaf) for leaf in leaves)
+        if [f[1] for f in found] == list(range(n)) and len({id(f[0]) for f in found}) == 1:
+            return found[0][0]  # type: ignore[index]
+        return jnp.stack([f[0] for f in found])  # type: ignore[index]
+
+    stacked = jax.tree_util.tree_map(stack, *new_states)
+    if len(used) != len(placed):
+        raise AssertionError(  # a stand-in not in the new state would be read as zeros
+            "Repeat: a part used its optimiser's result outside its new state; deferred "
+            "optimiser steps cannot serve it.")
+    return stacked
+
+
 class Repeat(AbstractPart):
     """N structurally identical blocks applied in order, $x_{i+1} = \\mathrm{block}_i(x_i)$.
 
@@ -328,12 +408,20 @@ class Repeat(AbstractPart):
             if self.unroll:
                 new_states, metrics = [None] * n, [None] * n
                 old_states = [_slice(state.blocks, i) for i in range(n)]
-                for i in reversed(range(n)):
-                    error, new_states[i], metrics[i] = cores[i].backward(
-                        old_states[i], cache.blocks[i], error
-                    )
-                stacked = _stack(new_states)
                 measured = measuring()
+                # Inside a step (its norms measured together, which read the stand-ins of a
+                # deferred step as rows of the stacked result), the blocks' optimiser steps
+                # run once over the stack.
+                deferring = deferred_updates() if measured is not None else None
+                with deferring or contextlib.nullcontext() as records:
+                    for i in reversed(range(n)):
+                        error, new_states[i], metrics[i] = cores[i].backward(
+                            old_states[i], cache.blocks[i], error
+                        )
+                if records:
+                    stacked = _apply_stacked(records, old_states, state.blocks, new_states)
+                else:
+                    stacked = _stack(new_states)
                 if measured is not None:  # the blocks' norms: one sum per row of the stack
                     measured.rows_of(old_states, state.blocks)
                     measured.rows_of(new_states, stacked)
