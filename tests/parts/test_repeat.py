@@ -225,3 +225,87 @@ def test_a_block_that_changes_the_shape_is_a_trace_error_naming_the_path():
         ValueError, match=r"parts\[0\]\[\*\]: expected input of shape \(\.\.\., 4\)"
     ):
         pipe.check(batch(1, (B, T, 5)), batch(2))
+
+
+# ------------------------------------------------------------- optimiser steps over the stack
+GPT_TINY = dict(vocab_size=11, width=8, n_heads=2, n_blocks=3, ff_width=16, max_len=6)
+
+
+def _unrolled_gpt_run(monkeypatch, stacked: bool, optimiser):
+    """Three steps of a tiny GPT whose blocks are an unrolled Repeat, with the blocks'
+    optimiser steps run over the stack (the default for fusedpc's own parts) or per block;
+    returns the outputs, the final state, the report and how often the stack was updated."""
+    import fusedpc.parts._repeat as repeat_module
+
+    calls = []
+    apply_stacked = repeat_module._apply_stacked
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return apply_stacked(*args, **kwargs)
+
+    monkeypatch.setattr(repeat_module, "_apply_stacked", counted)
+    if not stacked:
+        monkeypatch.setattr(repeat_module, "stacks_updates", lambda block: False)
+    config = fusedpc.GPTConfig(**GPT_TINY, learn="all")  # scan="auto": an unrolled Repeat
+    tree, _ = fusedpc.build_gpt(config, optimiser, jr.key(0))
+    pipe = fusedpc.FusedPipeline(tree, config.error_fn)
+    ids = jr.randint(jr.key(1), (4, 6), 0, GPT_TINY["vocab_size"])
+    targets = jr.randint(jr.key(2), (4, 6), 0, GPT_TINY["vocab_size"])
+    outputs = [pipe.step(ids, targets)[0] for _ in range(3)]
+    monkeypatch.undo()
+    return outputs, pipe.state, pipe.report(), len(calls)
+
+
+def test_an_unrolled_repeat_steps_its_blocks_optimisers_over_the_stack(monkeypatch):
+    # SGD, as test_scanned_gpt_equals_unrolled: the two forms are two compiled programs, which
+    # XLA fuses differently (float32 rounding apart, as a scanned and an unrolled Repeat)
+    sgd = optax.sgd(0.5)
+    out_s, state_s, report_s, calls_s = _unrolled_gpt_run(monkeypatch, True, sgd)
+    out_b, state_b, report_b, calls_b = _unrolled_gpt_run(monkeypatch, False, sgd)
+    assert calls_s >= 1 and calls_b == 0  # traced with the program; never per block
+    assert_tree_allclose(out_s, out_b, rtol=1e-6, atol=1e-7)
+    assert_tree_allclose(state_s, state_b, rtol=1e-6, atol=1e-7)
+    # every part's report (the update norms read rows of the stacked result) is the same
+    assert [r["part"] for r in report_s] == [r["part"] for r in report_b]
+    for field in ("update_norm", "weight_norm", "error_norm"):
+        np.testing.assert_allclose([r[field] for r in report_s], [r[field] for r in report_b],
+                                   rtol=1e-5)  # norms of float32 values, as scanned/unrolled
+
+
+def test_stacked_adam_steps_put_every_blocks_state_in_its_row(monkeypatch):
+    adam = optax.adam(1e-2)
+    _, state_s, _, calls_s = _unrolled_gpt_run(monkeypatch, True, adam)
+    _, state_b, _, _ = _unrolled_gpt_run(monkeypatch, False, adam)
+    assert calls_s >= 1
+    leaves_s, tree_s = jax.tree_util.tree_flatten(state_s)
+    leaves_b, tree_b = jax.tree_util.tree_flatten(state_b)
+    assert tree_s == tree_b
+    for a, b in zip(leaves_s, leaves_b, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind in "iu":  # Adam's step counts: 3 in every block's row
+            np.testing.assert_array_equal(a, b)
+        else:
+            # Adam turns float32 rounding differences of near-zero gradients (see above)
+            # into steps of up to its learning rate; a block's row put in another's place
+            # would differ by the weights' own size (~0.1 to 1)
+            np.testing.assert_allclose(a, b, rtol=1e-2, atol=2e-3)
+
+
+def test_a_part_of_your_own_in_a_block_keeps_each_blocks_optimiser_step(monkeypatch):
+    from fusedpc.parts._repeat import stacks_updates
+
+    config = fusedpc.GPTConfig(**GPT_TINY)
+    gpt, _ = fusedpc.build_gpt(config, optax.adam(1e-2), jr.key(0))
+    gpt_blocks = next(c for _, c in gpt.children() if isinstance(c, Repeat))
+    assert stacks_updates(gpt_blocks.blocks[0])
+    assert not stacks_updates(mlp_block(jr.key(0)))  # DeltaLinear is the tests' own part
+    # and such a Repeat trains as before, each block's optimiser step its own
+    import fusedpc.parts._repeat as repeat_module
+
+    monkeypatch.setattr(repeat_module, "_apply_stacked", lambda *a, **k: pytest.fail("stacked"))
+    _, unroll_steps, unroll_pipe = trained("mlp")["unroll"]
+    fresh = Repeat(Repeat.from_factory(mlp_block, N, jr.key(0)).blocks, unroll=True)
+    results, pipe = train(fresh)
+    for a, b in zip(jax.tree_util.tree_leaves(results), jax.tree_util.tree_leaves(unroll_steps)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -199,6 +199,17 @@ def _slice(tree: PyTree, i: int) -> PyTree:
     return jax.tree_util.tree_map(lambda a: jax.lax.index_in_dim(a, i, keepdims=False), tree)
 
 
+def stacks_updates(block: AbstractPart) -> bool:
+    """Whether an unrolled `Repeat` of `block` may run its parts' optimiser steps once over
+    the stacked blocks (`_apply_stacked`): only when every part in the block is one of
+    fusedpc's own, which read what their optimiser step returns only to build their new
+    state and report it. A part of your own anywhere in the block keeps every block's step
+    its own (the same numbers, one kernel per block)."""
+    if not type(block).__module__.startswith("fusedpc."):
+        return False
+    return all(stacks_updates(child) for _, child in block.children())
+
+
 def _stacked_operand(pieces: Sequence[PyTree], rows: dict[int, tuple[Any, int]]) -> PyTree:
     """`pieces` (one tree per block) stacked leafwise; a leaf whose pieces are rows 0..N-1 of
     one stacked array (the blocks' old state, read as slices) is that array itself."""
@@ -372,6 +383,7 @@ class Repeat(AbstractPart):
         if self.unroll:
             names = [join_path(path, f"[{i}]") for i in range(n)]
             cores = [block.compile(name) for block, name in zip(self.blocks, names)]
+            stacked_updates = stacks_updates(self.blocks[0])
         else:
             names = [join_path(path, "[*]")]
             cores = [self.blocks[0].compile(names[0])]
@@ -412,7 +424,8 @@ class Repeat(AbstractPart):
                 # Inside a step (its norms measured together, which read the stand-ins of a
                 # deferred step as rows of the stacked result), the blocks' optimiser steps
                 # run once over the stack.
-                deferring = deferred_updates() if measured is not None else None
+                deferring = deferred_updates() if measured is not None and stacked_updates \
+                    else None
                 with deferring or contextlib.nullcontext() as records:
                     for i in reversed(range(n)):
                         error, new_states[i], metrics[i] = cores[i].backward(
