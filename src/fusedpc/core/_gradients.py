@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from fusedpc.core._metrics import _current_trace
 
 _SQUARES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "fusedpc_gradient_squares", default=None
@@ -74,6 +77,7 @@ def clip_gradients(norm: jax.Array, max_norm: float) -> Iterator[None]:
         _CLIP.reset(token)
 
 
+@dataclasses.dataclass(frozen=True)
 class DeferredUpdate:
     """One optax step recorded by `deferred_updates`: what the step was asked
     (`apply(params, gradients, opt_state) -> (new_params, new_state)`, the optimiser's update
@@ -81,27 +85,16 @@ class DeferredUpdate:
     handed back for the new parameters and state (zeros of the new values' shapes and dtypes,
     which must be replaced before the step's values are read)."""
 
-    def __init__(self, optimiser: Any, apply: Any, params: Any, gradients: Any,
-                 opt_state: Any, new_params: Any, new_state: Any):
-        self.optimiser = optimiser
-        self.apply = apply
-        self.params = params
-        self.gradients = gradients
-        self.opt_state = opt_state
-        self.new_params = new_params
-        self.new_state = new_state
+    optimiser: Any
+    apply: Callable[[Any, Any, Any], tuple[Any, Any]]
+    params: Any
+    gradients: Any
+    opt_state: Any
+    new_params: Any
+    new_state: Any
 
 
 _DEFERRING: list[tuple[list[DeferredUpdate], Any]] = []  # (records, the trace they belong to)
-
-
-def _current_trace() -> Any:
-    try:
-        from jax._src import core as jax_core
-
-        return jax_core.trace_ctx.trace
-    except (ImportError, AttributeError):  # pragma: no cover - other jax versions
-        return None
 
 
 @contextlib.contextmanager
