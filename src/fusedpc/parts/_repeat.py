@@ -231,7 +231,7 @@ def _apply_stacked(records: list[DeferredUpdate], old_states: Sequence[PyTree],
     as one `jax.vmap` of its optimiser over the blocks' stacked gradients, parameters and
     optimiser states, so that XLA updates every block in one kernel per shape and writes the
     stacked state directly, as a scan body would, instead of one kernel per block and shape
-    followed by a concatenation. Each block's results are the same numbers as its own update
+    followed by a concatenation. Each block's update is the same arithmetic as its own step
     (the optimiser runs per block under `vmap`)."""
     n = len(new_states)
     if len(records) % n:
@@ -265,7 +265,8 @@ def _apply_stacked(records: list[DeferredUpdate], old_states: Sequence[PyTree],
             for stand_ins, values in zip((step.new_params, step.new_state), results[i]):
                 for stand_in, value in zip(jax.tree_util.tree_leaves(stand_ins),
                                            jax.tree_util.tree_leaves(values), strict=True):
-                    placed[id(stand_in)] = (value, at[i])
+                    if isinstance(stand_in, jax.Array):  # what a part puts in its state
+                        placed[id(stand_in)] = (value, at[i])
     used: set[int] = set()
 
     def stack(*leaves):
