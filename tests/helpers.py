@@ -33,6 +33,20 @@ PyTree = Any
 
 
 # --------------------------------------------------------------------------- traces
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> Any:
+    """`scripts/<name>.py` imported as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None, name
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def count_equations(jaxpr) -> int:
     """Equations of a jaxpr, including those of its sub-jaxprs (scan bodies and so on)."""
     total = 0

@@ -1,19 +1,17 @@
 """scripts/count_kernels.py: its counting on hand-written HLO, and `--smoke` in a subprocess."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from helpers import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "count_kernels.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("count_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("count_kernels")
 
 
 # Three fusions: the first two compute the same thing under other names and metadata, the

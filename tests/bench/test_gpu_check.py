@@ -4,7 +4,6 @@ without `--smoke` a machine with no GPU is refused in one line.
 Nothing here is timed: the figures are only checked to exist, be finite and be positive.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -12,6 +11,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -83,9 +84,7 @@ def test_without_a_gpu_the_full_check_refuses_in_one_line():
 
 def test_every_parity_selection_names_a_test_that_exists():
     # a renamed test would make pytest refuse the whole selection on the GPU, where time is short
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_script("gpu_check")
     helpers = (ROOT / "tests" / "helpers.py").read_text()
     for selection in (*gpu_check.PARITY_TESTS, *gpu_check.SMOKE_PARITY_TESTS):
         path, name, param = re.fullmatch(r"([^:]+)::(\w+)(?:\[(.+)\])?", selection).groups()

@@ -1,7 +1,6 @@
 """scripts/matmul_ceiling.py: its products are the step's FLOP count, each as XLA counts it,
 and `--smoke` runs in a subprocess."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from helpers import load_script
 
 from fusedpc.transformer.reference import count_flops
 
@@ -16,10 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "matmul_ceiling.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("matmul_ceiling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("matmul_ceiling")
 
 
 @pytest.mark.parametrize("config", ["smoke", "S", "M"])

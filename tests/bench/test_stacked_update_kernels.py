@@ -1,7 +1,6 @@
 """scripts/stacked_update_kernels.py: its forms compute the same update, and it prints the
 kernel counts of all four."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,15 +8,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "stacked_update_kernels.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("stacked_update_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("stacked_update_kernels")
 
 
 def _leaves(tree):
