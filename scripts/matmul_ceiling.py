@@ -37,12 +37,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # when loaded from elsewhere (tests)
-from compare_trees import CONFIGS as PAIRED_CONFIGS  # noqa: E402  (S and M, as compared there)
+from count_kernels import CONFIGS  # noqa: E402  (smoke, S and M: GPTConfig fields, (rows, seq))
 
-CONFIGS = {  # GPTConfig fields and the batch (rows, seq)
-    "smoke": ({"width": 16, "n_heads": 2, "n_blocks": 2, "ff_width": 32, "max_len": 8}, (4, 8)),
-    **PAIRED_CONFIGS,
-}
 VOCAB = 65
 
 
