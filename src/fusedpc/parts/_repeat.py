@@ -210,16 +210,21 @@ def stacks_updates(block: AbstractPart) -> bool:
     return all(stacks_updates(child) for _, child in block.children())
 
 
+def _whole(found: Sequence[tuple[Any, int] | None]) -> Any:
+    """The stacked array whose rows 0..N-1 the N entries of `found` (each `(array, row)` or
+    `None`) are, or `None` when they are not exactly that."""
+    first = found[0]
+    if first is None or any(f is None or f[0] is not first[0] for f in found):
+        return None
+    return first[0] if [f[1] for f in found] == list(range(len(found))) else None  # type: ignore[index]
+
+
 def _stacked_operand(pieces: Sequence[PyTree], rows: dict[int, tuple[Any, int]]) -> PyTree:
     """`pieces` (one tree per block) stacked leafwise; a leaf whose pieces are rows 0..N-1 of
     one stacked array (the blocks' old state, read as slices) is that array itself."""
     def stack(*leaves):
-        found = [rows.get(id(leaf)) for leaf in leaves]
-        if all(f is not None for f in found):
-            wholes = {id(f[0]) for f in found}  # type: ignore[index]
-            if len(wholes) == 1 and [f[1] for f in found] == list(range(len(leaves))):  # type: ignore[index]
-                return found[0][0]  # type: ignore[index]
-        return jnp.stack(leaves)
+        whole = _whole([rows.get(id(leaf)) for leaf in leaves])
+        return jnp.stack(leaves) if whole is None else whole
 
     return jax.tree_util.tree_map(stack, *pieces)
 
@@ -276,9 +281,8 @@ def _apply_stacked(records: list[DeferredUpdate], old_states: Sequence[PyTree],
         if any(f is None for f in found):
             raise AssertionError("Repeat: blocks put their new parameters in different places.")
         used.update(id(leaf) for leaf in leaves)
-        if [f[1] for f in found] == list(range(n)) and len({id(f[0]) for f in found}) == 1:
-            return found[0][0]  # type: ignore[index]
-        return jnp.stack([f[0] for f in found])  # type: ignore[index]
+        whole = _whole(found)
+        return jnp.stack([f[0] for f in found]) if whole is None else whole  # type: ignore[index]
 
     stacked = jax.tree_util.tree_map(stack, *new_states)
     if len(used) != len(placed):
