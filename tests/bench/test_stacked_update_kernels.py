@@ -8,17 +8,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from helpers import load_script
+from helpers import host_leaves, load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "stacked_update_kernels.py"
 
 
 def _module():
     return load_script("stacked_update_kernels")
-
-
-def _leaves(tree):
-    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
 
 
 def test_every_form_gives_every_block_the_same_new_parameters_and_state():
@@ -29,13 +25,13 @@ def test_every_form_gives_every_block_the_same_new_parameters_and_state():
         params, states = results[name]
         results[name] = [
             (jax.tree.map(lambda a, i=i: a[i], params), jax.tree.map(lambda a, i=i: a[i], states))
-            for i in range(len(jax.tree_util.tree_leaves(params)[0]))
+            for i in range(len(jax.tree_util.treehost_leaves(params)[0]))
         ]
-    reference = _leaves(results["apart_per_block"])
-    started = _leaves(forms["apart_per_block"][1][1])
+    reference = host_leaves(results["apart_per_block"])
+    started = host_leaves(forms["apart_per_block"][1][1])
     assert not np.array_equal(reference[0], started[0])  # the update did move the weights
     for name, result in results.items():
-        got = _leaves(result)
+        got = host_leaves(result)
         assert len(got) == len(reference), name
         for a, b in zip(got, reference):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=name)
