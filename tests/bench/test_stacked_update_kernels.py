@@ -25,7 +25,7 @@ def test_every_form_gives_every_block_the_same_new_parameters_and_state():
         params, states = results[name]
         results[name] = [
             (jax.tree.map(lambda a, i=i: a[i], params), jax.tree.map(lambda a, i=i: a[i], states))
-            for i in range(len(jax.tree_util.treehost_leaves(params)[0]))
+            for i in range(len(jax.tree_util.tree_leaves(params)[0]))
         ]
     reference = host_leaves(results["apart_per_block"])
     started = host_leaves(forms["apart_per_block"][1][1])
