@@ -52,6 +52,7 @@ def _pipeline(config: str):
 def _export(config: str, path: str) -> None:
     """In a process importing one tree: write its step, over flat carry leaves, to `path`."""
     import jax
+    import numpy as np
 
     import fusedpc
 
@@ -65,26 +66,28 @@ def _export(config: str, path: str) -> None:
 
     exported = jax.export.export(jax.jit(step))(leaves, ids, ids)
     Path(path).write_bytes(exported.serialize())
+    # its own starting carry: two trees' carries may differ (a counter added, say)
+    np.savez(path + ".npz", *[np.asarray(leaf) for leaf in leaves])
     print(json.dumps({"exported": path, "fusedpc": fusedpc.__file__}))
 
 
 def _compare(config: str, paths: dict[str, str], rounds: int, steps: int) -> dict:
     import jax
+    import numpy as np
 
-    pipeline, ids = _pipeline(config)  # this process's own tree gives the starting state
-    start = jax.tree_util.tree_leaves(pipeline.carry)
+    _, ids = _pipeline(config)
     programs = {name: jax.export.deserialize(Path(p).read_bytes()) for name, p in paths.items()}
-    for name, program in programs.items():
-        if len(program.in_avals) != len(start) + 2:
-            raise SystemExit(f"--tree {name}: its step takes {len(program.in_avals) - 2} carry "
-                             f"leaves, this tree's carry has {len(start)}.")
+    starts = {}  # each tree's own starting carry, as its export wrote it
+    for name, path in paths.items():
+        with np.load(path + ".npz") as saved:
+            starts[name] = [jax.numpy.asarray(saved[f"arr_{i}"]) for i in range(len(saved.files))]
     calls = {name: jax.jit(program.call) for name, program in programs.items()}
-    carries = {name: list(start) for name in programs}
+    carries = {name: list(start) for name, start in starts.items()}
     rows = []
     for r in range(rounds):
         row: dict = {"round": r}
         for name, program in programs.items():
-            lowered = jax.jit(program.call).lower(start, ids, ids)
+            lowered = jax.jit(program.call).lower(starts[name], ids, ids)
             began, cpu = time.perf_counter(), time.process_time()
             # an option no step depends on, new each round: the in-memory cache is bypassed
             lowered.compile(compiler_options={"xla_cpu_collective_timeout_seconds": 1000 + r})

@@ -6,11 +6,11 @@ runtime settings (host memory, device emulation) in `fusedpc.training`; the laye
 """
 
 import importlib as _importlib
-import warnings as _warnings
 
 from fusedpc import frozen as frozen
 from fusedpc import losses as losses
 from fusedpc import transplant as transplant
+from fusedpc._deprecation import warn_moved as _warn_moved
 from fusedpc._version import __version__ as __version__
 from fusedpc.core import AbstractPart as AbstractPart
 from fusedpc.core import Core as Core
@@ -110,11 +110,7 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'fusedpc' has no attribute {name!r}")
     module_name, attribute = _MOVED[name]
     new = module_name if attribute is None else f"{module_name}.{attribute}"
-    _warnings.warn(
-        f"fusedpc.{name} moved to {new}; the old name will be removed in 0.3.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
+    _warn_moved(f"fusedpc.{name}", new)
     module = _importlib.import_module(module_name)
     return module if attribute is None else getattr(module, attribute)
 

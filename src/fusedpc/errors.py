@@ -1,12 +1,8 @@
-"""Deprecated: `fusedpc.errors` moved to `fusedpc.losses` (removed in 0.3)."""
+"""Deprecated: `fusedpc.errors` moved to `fusedpc.losses` (removed in 0.4)."""
 
-import warnings as _warnings
-
+from fusedpc._deprecation import warn_moved as _warn_moved
 from fusedpc.losses import *  # noqa: F403
 from fusedpc.losses import __all__ as __all__  # noqa: F401
 
-_warnings.warn(
-    "fusedpc.errors moved to fusedpc.losses; the old name will be removed in 0.3.",
-    DeprecationWarning,
-    stacklevel=2,
-)
+# stacklevel 2: the line that imported this module
+_warn_moved("fusedpc.errors", "fusedpc.losses", stacklevel=2)

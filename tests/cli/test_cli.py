@@ -416,6 +416,27 @@ def test_a_second_run_into_a_claimed_folder_is_refused(tmp_path):
     RunFolder(out).release()
 
 
+def test_a_run_folder_removes_the_leftovers_of_a_killed_checkpoint_write(tmp_path):
+    # Reliability III: a SIGKILL in the middle of a checkpoint write left its temporary files
+    # for good; the next run into the folder (which holds its lock) removes them, and only
+    # them: a file of the user's that merely looks similar stays.
+    from fusedpc.training._run_folder import RunFolder
+
+    out = tmp_path / "run"
+    out.mkdir()
+    leftovers = [".checkpoint.fpc.4242.0a1b2c3d.tmp", ".best.fpc.17.ffffffff.tmp"]
+    kept = ["checkpoint.fpc.4242.0a1b2c3d.tmp", ".checkpoint.fpc.tmp", "notes.tmp",
+            f".checkpoint.fpc.{os.getpid()}.00000000.tmp"]  # this process's own: never
+    for name in leftovers + kept:
+        (out / name).write_bytes(b"partial")
+    folder = RunFolder(out)
+    try:
+        assert folder.removed_leftovers == sorted(leftovers)
+        assert sorted(p.name for p in out.iterdir()) == sorted([".lock", *kept])
+    finally:
+        folder.release()
+
+
 def test_default_run_folders_never_collide(tmp_path):
     from fusedpc.training._run_folder import default_out
 
@@ -557,6 +578,22 @@ def test_eval_of_the_checkpoint_reproduces_the_runs_last_validation(tiny_run, tm
     assert "1 batches of 4 x 16 tokens: loss" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["sample", "eval"])
+def test_sample_and_eval_name_their_argument_for_a_folder_that_is_no_run(
+        command, tmp_path, capsys):
+    # Reliability III: they said "--resume: no run folder", a flag they do not take.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.toml").write_text(TINY.read_text())
+    for folder, expected in [("missing", "RUN: no run folder at"),
+                             ("empty", "has no config.toml"),
+                             ("config_only", "has no checkpoint.fpc")]:
+        assert main([command, str(tmp_path / folder)]) == 1
+        line = _one_error_line(capsys)
+        assert expected in line and "--resume" not in line, line
+        assert line.startswith("fusedpc: error: RUN: "), line
+
+
 @pytest.mark.parametrize(
     "flags, largest",
     [
@@ -574,6 +611,28 @@ def test_a_config_too_large_for_memory_is_refused_at_once(flags, largest, tmp_pa
     line = _one_error_line(capsys)
     assert "this run needs about" in line and f"({largest} " in line and "GiB" in line
     assert not out.exists()  # created for the run, removed again when it was refused
+
+
+def test_an_xla_failure_in_the_first_step_is_one_line_and_leaves_nothing(
+        tmp_path, capsys, monkeypatch):
+    # Reliability III: an allocation failure the estimate let through (a capped address
+    # space: "INTERNAL: YNNPACK operation failed") ended in a traceback and left config.toml
+    # and log.jsonl behind. The failure is raised where the first step runs.
+    import jax
+
+    from fusedpc.training import _loop
+
+    def failing_call(self):
+        raise jax.errors.JaxRuntimeError("INTERNAL: YNNPACK operation failed")
+
+    monkeypatch.setattr(_loop._Session, "call", failing_call)
+    out = tmp_path / "new"
+    assert main(["train", "--config", str(TINY), "--out", str(out),
+                 "--compile-cache", "none"]) == 1
+    line = _one_error_line(capsys)
+    assert "the run failed before its first step completed (INTERNAL: YNNPACK" in line
+    assert "lower --batch" in line
+    assert not out.exists()  # created for the run, removed again
 
 
 def test_the_memory_estimate_counts_the_models_parameters():
@@ -666,6 +725,9 @@ def test_bad_schedule_settings_are_one_line(capsys):
         (["--lr-schedule", "linear"], "lr_schedule must be one of ('constant', 'cosine')"),
         (["--lr-schedule", "cosine", "--warmup-steps", "50", "--steps", "40"],
          "lr_decay_steps (40) must exceed warmup_steps (50)"),
+        # Reliability III: the constant schedule accepted the same mismatch silently
+        (["--warmup-steps", "50", "--steps", "10"],
+         "warmup_steps (50) must be below steps (10)"),
         (["--lr-final-fraction", "2"], "lr_final_fraction must lie in [0, 1]"),
         (["--weight-decay", "0.1"], "weight_decay=0.1 applies to the adamw optimiser only"),
         (["--optimiser", "sgd", "--weight-decay", "0"], "applies to the adamw optimiser only"),

@@ -140,16 +140,24 @@ def test_sums_of_squares_group_leaves_by_shape_and_match_one_reduction_each():
 
 
 def test_state_norms_finite_flags_every_leaf_as_its_own_norm_would():
-    big = np.full((4, 4), 3e19, np.float32)  # finite entries whose norm overflows float32
+    # Reliability III: a float32 sum of squares overflows from entries of ~1.8e19, and the
+    # commit rule refused such representable leaves for good; the norms are now taken
+    # without overflow, so only a norm beyond float32 itself (~3.4e38) reads as non-finite.
+    big = np.full((4, 4), 3e19, np.float32)  # a float32 sum of squares overflows; not the norm
+    huge = np.full((4, 4), 3e38, np.float32)  # finite entries whose norm (1.2e39) overflows
     tree = {"w": jnp.ones((4, 4)), "nan": jnp.array([1.0, jnp.nan]), "big": jnp.asarray(big),
-            "inf": jnp.full((4, 4), jnp.inf), "ids": jnp.arange(3), "s": jnp.float32(2.0),
-            "also": jnp.zeros((2,))}
+            "huge": jnp.asarray(huge), "inf": jnp.full((4, 4), jnp.inf), "ids": jnp.arange(3),
+            "s": jnp.float32(2.0), "also": jnp.zeros((2,))}
     flags = jax.jit(state_norms_finite)(tree)
     assert jax.tree_util.tree_structure(flags) == jax.tree_util.tree_structure(tree)
     expected = {k: bool(leaf_norm_finite(v)) for k, v in tree.items()}
     assert {k: bool(v) for k, v in flags.items()} == expected
-    assert expected == {"w": True, "nan": False, "big": False, "inf": False, "ids": True,
-                        "s": True, "also": True}
+    assert expected == {"w": True, "nan": False, "big": True, "huge": False, "inf": False,
+                        "ids": True, "s": True, "also": True}
+    # the norm of the large entries is exact (4 * 3e19), eagerly and compiled
+    for norm in (tree_norm(tree["big"]), jax.jit(tree_norm)(tree["big"])):
+        assert float(norm) == pytest.approx(1.2e20, rel=1e-6)
+    assert float(tree_norm(tree["w"])) == 4.0  # no rescaling where nothing overflowed
 
 
 def test_learning_metrics():

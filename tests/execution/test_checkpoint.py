@@ -664,6 +664,9 @@ def test_failed_save_leaves_the_previous_checkpoint_intact(saved, monkeypatch, f
     monkeypatch.undo()
     if raised is OSError:
         assert info.value.errno in (errno.ENOSPC, errno.EXDEV)
+    if fault.startswith("disk full"):  # Reliability III: the message names the file
+        assert info.value.filename == os.fspath(path), info.value
+        assert info.value.strerror.startswith("No space left on device while writing")
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary left
     assert file_digest(path) == digest
     assert mlp_pipeline().load(path) == {"which": "previous", "data_position": 3}

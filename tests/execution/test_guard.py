@@ -21,7 +21,9 @@ import fusedpc
 from fusedpc import frozen
 
 SANE_RATE = 0.05
-HUGE_RATE = 1e38
+# An infinite rate: every slot's update overflows. (A finite rate times small gradients can
+# stay representable, and a representable step is committed: Reliability III.)
+HUGE_RATE = float("inf")
 
 
 def _set_rates(pipeline: fusedpc.FusedPipeline, rate_of) -> None:
@@ -91,7 +93,7 @@ def test_an_overflowing_rate_on_any_gpt_slot_is_refused_and_the_run_recovers():
         _set_rates(pipeline, lambda key, m=marks: HUGE_RATE if any(s in key for s in m) else None)
         kept = host_leaves(pipeline.state)
         pipeline.step(x, t)
-        assert_bitwise_equal(kept, pipeline.state)  # the weights never held ~1e37
+        assert_bitwise_equal(kept, pipeline.state)  # the weights never held the overflow
         part = _agree(pipeline, "non-finite")
         assert pipeline.skip_counts["non-finite"] == n, slot
         names = {"norm": ("n1", "n2", "norm_f")}.get(slot, (slot,))
@@ -118,7 +120,9 @@ def _no_loss_error(output, target):  # a bare error function: no loss to check
 
 @pytest.mark.parametrize(
     "case",
-    ["inputs_1e15", "targets_1e20", "adam_moments"],
+    # inputs of 1e20, not 1e15: 1e15 only overflowed float32's sum of squares of a representable
+    # step (weights of ~5e28), which is now committed; 1e20 overflows the gradients and loss
+    ["inputs_1e20", "targets_1e20", "adam_moments"],
 )
 def test_unrepresentable_steps_are_refused_and_the_next_sane_step_trains(case):
     x, t = normal(0, (6, 4)), normal(1, (6, 3))
@@ -131,7 +135,7 @@ def test_unrepresentable_steps_are_refused_and_the_next_sane_step_trains(case):
         # Identity units: huge inputs reach the gradients (tanh units would saturate and
         # make the step a sane one, which is then committed).
         pipeline = fusedpc.FusedPipeline(_network_tree(optax.sgd(SANE_RATE), "identity"))
-        bad_x, bad_t = (x * 1e15, t) if case == "inputs_1e15" else (x, t * 1e20)
+        bad_x, bad_t = (x * 1e20, t) if case == "inputs_1e20" else (x, t * 1e20)
     pipeline.step(x, t)
     first_loss = float(np.sum((np.asarray(pipeline.predict(x)) - np.asarray(t)) ** 2))
     kept = host_leaves(pipeline.state)
@@ -140,7 +144,8 @@ def test_unrepresentable_steps_are_refused_and_the_next_sane_step_trains(case):
     part = _agree(pipeline, "non-finite")
     assert part.startswith("parts[1]") or part == "<root>", part
     assert pipeline.skip_counts == {
-        "id out of range": 0, "non-finite": 1, "update ratio": 0, "loss spike": 0
+        "id out of range": 0, "invalid mask": 0, "non-finite": 1, "update ratio": 0,
+        "loss spike": 0,
     }
     for _ in range(20):
         pipeline.step(x, t)
@@ -150,14 +155,73 @@ def test_unrepresentable_steps_are_refused_and_the_next_sane_step_trains(case):
 
 
 def test_a_norm_that_overflows_counts_although_every_entry_is_finite():
-    # Entries of 1e19 are finite; the norm of 16 of them (> 3.4e38 squared) is not.
+    # Adam at a rate of 1e38 on a GPT head: its first step moves every weight by ~1e38 (a
+    # normalised update), finite, and the norm of 176 of them (~1.3e39) is beyond float32.
+    # (Entries of 1e19, as this test used, have a finite norm of 4e19 that only float32's sum
+    # of squares overflowed: now committed, see below.)
+    config = fusedpc.GPTConfig(vocab_size=11, width=16, n_heads=4, n_blocks=1, ff_width=32,
+                               max_len=8, learn="head")
+    x, t = _gpt_batch(0)
+    ignoring = fusedpc.FusedPipeline(
+        fusedpc.build_gpt(config, optax.adam(1e38), jax.random.key(0))[0],
+        "softmax_cross_entropy", nonfinite="ignore")
+    ignoring.step(x, t)
+    assert all(np.isfinite(a).all() for a in host_leaves(ignoring.state))
+    assert np.isinf(ignoring.report()[-1]["weight_norm"]) and not ignoring.report()[-1]["finite"]
+    pipeline = fusedpc.FusedPipeline(
+        fusedpc.build_gpt(config, optax.adam(1e38), jax.random.key(0))[0],
+        "softmax_cross_entropy")
+    kept = host_leaves(pipeline.state)
+    pipeline.step(x, t)
+    assert_bitwise_equal(kept, pipeline.state)
+    assert _agree(pipeline, "non-finite") == "head"
+
+
+def test_a_sum_of_squares_that_overflows_float32_does_not_refuse_a_representable_step():
+    # Reliability III: targets of 3e19 give weights of ~1e19, whose float32 sum of squares
+    # overflows while their norm (~1e20) is representable. The step is committed and the
+    # report's norms are the float64 norms.
     pipeline = fusedpc.FusedPipeline(_network_tree(optax.sgd(1.0)), _no_loss_error)
     x, t = normal(0, (6, 4)), normal(1, (6, 3))
-    _, _ = pipeline.step(x, t)
-    kept = host_leaves(pipeline.state)
+    pipeline.step(x, t)
+    before = host_leaves(pipeline.state.parts[1].params)
     pipeline.step(x, t * 3e19)
-    assert_bitwise_equal(kept, pipeline.state)
-    assert _agree(pipeline, "non-finite")
+    assert bool(pipeline.last_metrics.committed) and pipeline.skipped_steps == 0
+    after = host_leaves(pipeline.state.parts[1].params)
+    assert max(float(np.abs(a).max()) for a in after) > 1e19  # past float32's squares
+    row = pipeline.report()[0]
+    assert row["finite"] and np.isfinite(row["weight_norm"])
+    weight = np.sqrt(sum(np.sum(np.square(a.astype(np.float64))) for a in after))
+    update = np.sqrt(sum(np.sum(np.square(a.astype(np.float64) - b))
+                         for a, b in zip(after, before, strict=True)))
+    np.testing.assert_allclose(row["weight_norm"], weight, rtol=1e-5)
+    np.testing.assert_allclose(row["update_norm"], update, rtol=1e-5)
+
+
+@pytest.mark.parametrize("precision", [1e20, 1e30])
+def test_large_fixed_precisions_train_as_at_unit_precision(precision):
+    # Reliability III: fixed hidden precisions of 1e20 and 1e30 (valid float32 values) had
+    # every step refused ("non-finite", part 'precisions[...]'): the float32 sum of squares
+    # of the state leaf overflowed. In the parity setting the step does not depend on the
+    # hidden precisions, so the run equals the one at unit precision.
+    def pipeline(p: float) -> fusedpc.FusedPipeline:
+        network = fusedpc.PCNetwork([4, 8, 8, 3], "tanh", hidden_precision=p,
+                                    key=jax.random.key(1))
+        return fusedpc.FusedPipeline(fusedpc.LearningNetwork(network, optax.adam(1e-2)))
+
+    x, t = normal(0, (6, 4)), normal(1, (6, 3))
+    large, unit = pipeline(precision), pipeline(1.0)
+    losses = []
+    for _ in range(5):
+        large.step(x, t)
+        unit.step(x, t)
+        assert bool(large.last_metrics.committed), large.skip_reason()
+        losses.append(large.last_loss)
+    assert large.skipped_steps == 0 and large.report()[0]["finite"]
+    assert losses[-1] < losses[0]
+    for a, b in zip(host_leaves(large.state.params), host_leaves(unit.state.params),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_ignore_commits_an_overflowing_step_but_still_names_its_part():
@@ -322,6 +386,7 @@ def test_a_program_inside_a_users_jit_refuses_bad_ids_too():
 
 def test_counters_built_the_old_way_still_work():
     counters = fusedpc.execution.Counters(jnp.int32(5), jnp.int32(2))
-    assert np.asarray(counters.skips).tolist() == [0, 2, 0, 0]
+    # the second count is "invalid mask" (fusedpc 0.4): a skipped count counts as non-finite
+    assert np.asarray(counters.skips).tolist() == [0, 0, 2, 0, 0]
     assert int(counters.loss_count) == 0
     assert isinstance(eqx.filter(counters, eqx.is_array), fusedpc.execution.Counters)

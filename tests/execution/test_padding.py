@@ -9,6 +9,7 @@ the failure that made it so.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jax
@@ -131,3 +132,61 @@ def test_bad_masks_are_refused_before_anything_is_donated():
         pipeline.run(x[None], t[None], masks=np.ones((2, 8), bool))
     pipeline.step(x, t, mask=jnp.ones(8, bool))
     assert pipeline.steps == 1
+
+
+def test_host_masks_without_weight_or_of_complex_numbers_are_refused():
+    # Reliability III: an all-zero mask ran and was refused as non-finite, blaming '<root>';
+    # a complex mask ran with only a ComplexWarning.
+    pipeline = fusedpc.FusedPipeline(_tree(), "sigmoid_cross_entropy")
+    x, t = normal(0, (8, 4)), np.zeros((8, 3), np.float32)
+    with pytest.raises(ValueError, match=r"mask: the mask has no weight \(every row is 0\)"):
+        pipeline.step(x, t, mask=np.zeros(8, np.float32))
+    with pytest.raises(TypeError, match=r"mask: expected booleans or real numbers .* complex64"):
+        pipeline.step(x, t, mask=np.ones(8, np.complex64))
+    with pytest.raises(TypeError, match=r"mask: expected booleans or real numbers"):
+        pipeline.step(x, t, mask=jnp.ones(8, jnp.complex64))  # on the device too: a dtype
+    masks = np.ones((3, 8), np.float32)
+    masks[1] = 0.0
+    with pytest.raises(ValueError, match=r"masks\[1\]: the mask has no weight"):
+        pipeline.run(np.stack([x] * 3), np.stack([t] * 3), masks=masks)
+    with pytest.raises(ValueError, match=r"mask: row weights must be finite and >= 0 .* NaN"):
+        pipeline.step(x, t, mask=np.full(8, np.nan, np.float32))
+    assert pipeline.steps == 0
+
+
+@pytest.mark.parametrize("weight", [-1.0, np.nan, np.inf, "none"])
+def test_device_masks_are_checked_inside_the_step(weight):
+    # Reliability III: a device mask's values are not read back before the step; a negative
+    # weight was committed (gradient ascent on that row). Now the step refuses it inside the
+    # program, as it refuses device token ids, and the next sane step trains.
+    pipeline = fusedpc.FusedPipeline(_tree(), "sigmoid_cross_entropy")
+    x, t = normal(0, (8, 4)), (normal(1, (8, 3)) > 0).astype(np.float32)
+    pipeline.step(x, t)
+    bad = jnp.zeros(8) if weight == "none" else jnp.ones(8).at[3].set(weight)
+    kept = [np.array(a) for a in jax.tree_util.tree_leaves(pipeline.state)]
+    pipeline.step(x, t, mask=bad)
+    assert not bool(pipeline.last_metrics.committed)
+    for a, b in zip(kept, jax.tree_util.tree_leaves(pipeline.state), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    skip = pipeline.skip_reason()
+    assert skip.reason == "invalid mask" and skip.part is None
+    expected = {-1.0: r"got -1\.0", "none": "the mask has no weight"}.get(
+        weight, "got a NaN or an infinity")
+    assert re.search(rf"^mask: .*{expected}", skip.message), skip.message
+    assert pipeline.skip_counts["invalid mask"] == 1 and pipeline.skipped_steps == 1
+    assert pipeline.nonfinite_part() is None
+    pipeline.step(x, t, mask=jnp.ones(8).at[3].set(0.0))
+    assert bool(pipeline.last_metrics.committed)
+
+
+def test_device_masks_in_run_and_under_raise():
+    pipeline = fusedpc.FusedPipeline(_tree(), "sigmoid_cross_entropy", nonfinite="raise")
+    x, t = normal(0, (8, 4)), (normal(1, (8, 3)) > 0).astype(np.float32)
+    masks = jnp.ones((3, 8)).at[1, 2].set(-2.0)
+    _, _, metrics = pipeline.run(jnp.stack([x] * 3), jnp.stack([t] * 3), masks=masks)
+    np.testing.assert_array_equal(np.asarray(metrics.committed), [True, False, True])
+    assert pipeline.skip_reason(index=1).message.startswith("masks: row weights must be")
+    with pytest.raises(fusedpc.execution.InputRangeError,
+                       match=r"step 1 of the last call was not committed: masks: row weights"):
+        pipeline.step(x, t)
+    assert pipeline.skip_counts["invalid mask"] == 1

@@ -299,10 +299,12 @@ def test_steps_between_reports_keep_the_commit_rule():
     assert any(not np.array_equal(a, b)
                for a, b in zip(before, jax.tree_util.tree_leaves(cadence.state)))
     # a state that cannot be represented is refused on a step without report too: SGD at a
-    # rate that overflows the weights' norm (finite entries, an infinite norm)
+    # rate that overflows the weights' norm (finite entries, an infinite norm: Adam moves
+    # each weight by ~1e38; SGD at 1e36, as before Reliability III, overflowed only float32's
+    # sum of squares, of a norm of ~1e36)
     config = fusedpc.GPTConfig(vocab_size=11, width=16, n_heads=4, n_blocks=1, ff_width=32,
                                max_len=8, learn="head")
-    part, _ = fusedpc.build_gpt(config, optax.sgd(1e36), jax.random.key(0))
+    part, _ = fusedpc.build_gpt(config, optax.adam(1e38), jax.random.key(0))
     pipeline = fusedpc.FusedPipeline(part, config.error_fn)
     start = [np.array(a) for a in jax.tree_util.tree_leaves(pipeline.state)]
     _, _, metrics = pipeline.run(xs, xs, keep_outputs=False, report_every=4)

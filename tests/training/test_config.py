@@ -51,11 +51,13 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
         ("[model]\nwidth = 'wide'\n", "width must be int"),
         ("[training]\nsteps = true\n", "steps must be int"),
         ("[model\n", "not valid TOML"),
+        # Reliability III: a non-UTF-8 file was "'utf-8' codec can't decode ..." without name
+        ("[model]\nname = '\u00e9'\n".encode("latin-1"), "is not UTF-8 text (byte 0xe9"),
     ],
 )
 def test_malformed_config_files_name_the_problem(tmp_path, text, message):
     path = tmp_path / "c.toml"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ValueError, match="c.toml") as info:
         _config_file.resolve_config(path)
     assert message in str(info.value)

@@ -32,6 +32,14 @@ def test_load_text_from_path(tmp_path):
     assert load_text(str(path)) == "to be, or not to be\n"
 
 
+def test_load_text_names_a_file_that_is_not_utf8(tmp_path):
+    # Reliability III: "'utf-8' codec can't decode byte 0xe9 ..." named no file.
+    path = tmp_path / "latin.txt"
+    path.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"text file '.*latin\.txt' is not UTF-8 .*0xe9"):
+        load_text(path)
+
+
 def test_load_text_missing_file(tmp_path):
     missing = tmp_path / "nope.txt"
     with pytest.raises(FileNotFoundError, match="nope.txt"):

@@ -181,3 +181,26 @@ def test_read_log_names_a_malformed_line(tmp_path):
         _log.read_log(tmp_path / "missing.jsonl")
 
 
+
+
+def test_a_full_disk_while_logging_names_the_log_file(tmp_path, monkeypatch):
+    # Reliability III: "No space left on device" named no file when the log was written.
+    import errno
+
+    from fusedpc.training._log import RunLog
+
+    path = tmp_path / "log.jsonl"
+    log = RunLog(path, [], write=True)
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = log._file
+    log._file = FullDisk()
+    try:
+        with pytest.raises(OSError, match=r"No space left on device") as info:
+            log.emit({"step": 1})
+        assert info.value.filename == str(path) and info.value.errno == errno.ENOSPC
+    finally:
+        real.close()

@@ -56,9 +56,15 @@ def _guarded(command: Callable[[], int]) -> int:
         print("fusedpc: interrupted", file=sys.stderr)
         return 130
     except (MemoryError, RuntimeError) as err:
-        # an allocation failure (XLA's RESOURCE_EXHAUSTED, or the host's) is one line too;
+        # an allocation failure (XLA's RESOURCE_EXHAUSTED, or the host's) is one line too, and
+        # so is a run whose first step failed in XLA (`RunStartError`: its files removed);
         # any other runtime error is a bug worth its traceback
+        from fusedpc.training._loop import RunStartError  # loaded already when it is one
+
         text = str(err)
+        if isinstance(err, RunStartError) and not os.environ.get("FUSEDPC_TRACEBACK"):
+            print(f"fusedpc: error: {_one_line(err)}", file=sys.stderr)
+            return 1
         if os.environ.get("FUSEDPC_TRACEBACK") or not (
             isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
         ):

@@ -125,7 +125,7 @@ def sample_command(args: argparse.Namespace) -> int:
     from fusedpc.training import _setup
     from fusedpc.transformer import generate
 
-    pipeline, tokenizer, config, _ = _setup.load_run(args.run)
+    pipeline, tokenizer, config, _ = _setup.load_run(args.run, argument="RUN")
     prompt = args.prompt if args.prompt is not None else "\n"
     if not prompt:
         raise ValueError("--prompt: give at least one character (the default is a newline).")
@@ -147,7 +147,7 @@ def eval_command(args: argparse.Namespace) -> int:
     from fusedpc.training import _setup, data
     from fusedpc.training._evaluate import evaluate
 
-    pipeline, tokenizer, config, metadata = _setup.load_run(args.run)
+    pipeline, tokenizer, config, metadata = _setup.load_run(args.run, argument="RUN")
     if args.text is None:  # the run's own validation split, as `train` evaluates it
         ids = _setup.load_tokens(config, metadata["tokenizer"], tokenizer)[3]
         source = f"the validation split of {config.text!r}"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -191,45 +191,85 @@ def leaf_finite(leaf: Any) -> jax.Array:
     return jnp.array(True)
 
 
+# Sums of squares overflow float32 once entries reach ~1.8e19 (the square of one entry) or
+# fewer entries sum past 3.4e38: the norms are then taken again from the entries scaled by
+# 2^-100, exactly (a power of two), so that a norm is infinite only where the norm itself is
+# beyond float32.
+RESCALE_EXPONENT = 100
+
+
+class Norms(NamedTuple):
+    """Measured norms, one entry per slot (`Measured.norms`, `overflow_safe_norms`): a type
+    of their own, so that they are never taken for the sums of squares of
+    `Measured.totals`.
+
+    Attributes:
+        norms: the Frobenius norms, float32, taken without overflow: infinite only where the
+            norm itself exceeds float32's largest value (~3.4e38), NaN where an entry is NaN.
+    """
+
+    norms: jax.Array
+
+
+def overflow_safe_norms(squares: jax.Array, rescaled: Callable[[], jax.Array]) -> Norms:
+    """The norms of sums of squares `squares` (a float32 vector), where a sum overflowed
+    taken from `rescaled()`: the same sums with every entry multiplied by
+    $2^{-100}$ (`RESCALE_EXPONENT`) before squaring. `rescaled` runs only on a step where a
+    sum overflowed (`lax.cond`; under `vmap` both branches run, so it costs the sums a second
+    time there). Where nothing overflowed the norms are `sqrt(squares)`, bit for bit."""
+    squares = jnp.asarray(squares)
+    overflowed = jnp.isinf(squares)
+    again = jax.lax.cond(jnp.any(overflowed), rescaled, lambda: jnp.zeros_like(squares))
+    scale = jnp.float32(2.0 ** RESCALE_EXPONENT)
+    return Norms(jnp.where(overflowed, jnp.sqrt(again) * scale, jnp.sqrt(squares)))
+
+
+def rescaled(x: jax.Array) -> jax.Array:
+    """`x` in float32 times $2^{-100}$: the operand of `overflow_safe_norms`'s second sums."""
+    return jnp.asarray(x).astype(jnp.float32) * jnp.float32(2.0 ** -RESCALE_EXPONENT)
+
+
 def leaf_norm_finite(leaf: Any) -> jax.Array:
-    """Whether one leaf's norm is finite: every entry finite and the sum of squares within
-    float32 (a NaN or infinity anywhere, or magnitudes whose norm overflows, read as False).
-    The commit rule checks every state leaf this way, at the end of the step with the report
-    norms (`Measured.add_each`); `state_norms_finite` applies it to a whole tree."""
+    """Whether one leaf's norm is finite: every entry finite and the norm within float32
+    (taken without overflow: entries of 1e20 have a finite norm; a NaN or infinity anywhere,
+    or a norm beyond ~3.4e38, reads as False)."""
     if is_inexact(leaf):
-        return jnp.isfinite(jnp.sum(jnp.square(jnp.asarray(leaf).astype(jnp.float32))))
+        return jnp.isfinite(tree_norm(leaf))
     return jnp.array(True)
 
 
 def state_norms_finite(tree: PyTree) -> PyTree:
     """`leaf_norm_finite` of every leaf of `tree` (a tree of booleans of its structure), each
-    sum of squares taken as the step takes it (`Measured.add_each`, `sums_finite`)."""
+    norm taken as the step takes it (`Measured.add_each`, `Measured.norms`): the commit
+    rule's judgement of the new state's leaves."""
     measured = Measured()
     slots = measured.add_each(tree)
-    return sums_finite(slots, measured.totals())
+    return slot_tree(slots, slot_flags_vector(slots, jnp.isfinite(measured.norms().norms)))
 
 
 def _slot_leaves(slots: PyTree) -> tuple[list[Any], Any]:
     return jax.tree_util.tree_flatten(slots, is_leaf=lambda x: x is None)
 
 
-def sums_finite(slots: PyTree, totals: jax.Array, flags: jax.Array | None = None) -> PyTree:
-    """For the slots `Measured.add_each` gave, whether each sum of squares in `totals` is
-    finite (`None` slots, integer leaves, are): the tree of flags has the measured tree's
-    structure. The flags are taken as one vector (`sums_finite_vector`, or `flags` when the
-    caller has it already) and handed out as its entries."""
-    leaves, structure = _slot_leaves(slots)
-    if flags is None:
-        flags = sums_finite_vector(slots, totals)
-    return jax.tree_util.tree_unflatten(structure, [flags[i] for i in range(len(leaves))])
-
-
 def sums_finite_vector(slots: PyTree, totals: jax.Array) -> jax.Array:
     """`sums_finite` as one boolean vector, an entry per slot in tree order (`None`: true)."""
-    totals = jnp.asarray(totals)
-    n = int(jnp.shape(totals)[0])
+    return slot_flags_vector(slots, jnp.isfinite(jnp.asarray(totals)))
+
+
+def slot_flags_vector(slots: PyTree, flags: jax.Array) -> jax.Array:
+    """One boolean per slot of `slots` (tree order) read off `flags`, a boolean per measured
+    slot (`None` slots, integer leaves: true). One gather."""
+    flags = jnp.asarray(flags)
+    n = int(jnp.shape(flags)[0])
     index = np.asarray([n if s is None else int(s) for s in _slot_leaves(slots)[0]], np.int32)
-    return jnp.isfinite(_with_zero(totals)[index])
+    return jnp.concatenate([flags, jnp.ones((1,), jnp.bool_)])[index]
+
+
+def slot_tree(slots: PyTree, vector: jax.Array) -> PyTree:
+    """The entries of a per-slot `vector` (as `slot_flags_vector` gives) handed out as a tree
+    of the slots' structure."""
+    leaves, structure = _slot_leaves(slots)
+    return jax.tree_util.tree_unflatten(structure, [vector[i] for i in range(len(leaves))])
 
 
 def _with_zero(*vectors: jax.Array) -> jax.Array:
@@ -328,27 +368,43 @@ def row_squares(arrays: Sequence[jax.Array], keep: Sequence[int]
     matrices) are measured all together (`segment_squares`: copied into one matrix, a
     handful of kernels however many there are) and come first; the large ones each by its
     own dot product (`dot_squares`: read where they are, not copied)."""
-    keep = list(keep)
-    rows = [int(np.prod(jnp.shape(x)[:k], dtype=np.int64)) for x, k in zip(arrays, keep)]
-    small = [int(np.prod(jnp.shape(x)[k:], dtype=np.int64)) <= SMALL_ROWS
-             for x, k in zip(arrays, keep, strict=True)]
-    first, at = [0] * len(arrays), 0
-    for order in (True, False):
-        for i, is_small in enumerate(small):
-            if is_small == order:
-                first[i] = at
-                at += rows[i]
-    pieces = []
-    if any(small):
-        pieces.append(segment_squares([x for x, s in zip(arrays, small) if s],
-                                      [k for k, s in zip(keep, small) if s]))
-    large = [i for i, s in enumerate(small) if not s]
-    for i, total in zip(large, dot_squares([arrays[i] for i in large],
-                                           [keep[i] for i in large]), strict=True):
-        pieces.append(jnp.reshape(total, (rows[i],)))
-    if not pieces:
-        return jnp.zeros((0,), jnp.float32), first
-    return (pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)), first
+    layout = RowSquares(arrays, keep)
+    return layout.sums(), layout.first
+
+
+class RowSquares:
+    """The operands `row_squares` reduces, laid out once: the small arrays' rows copied into
+    one matrix per block size (`segment_squares`), the large arrays as they are; `sums` takes
+    every row's sum of squares from them, optionally of the operands scaled first (the same
+    buffers read again: what `overflow_safe_norms` asks of a step whose sums overflowed)."""
+
+    def __init__(self, arrays: Sequence[jax.Array], keep: Sequence[int]) -> None:
+        keep = list(keep)
+        rows = [int(np.prod(jnp.shape(x)[:k], dtype=np.int64)) for x, k in zip(arrays, keep)]
+        small = [int(np.prod(jnp.shape(x)[k:], dtype=np.int64)) <= SMALL_ROWS
+                 for x, k in zip(arrays, keep, strict=True)]
+        self.first, at = [0] * len(arrays), 0
+        for order in (True, False):
+            for i, is_small in enumerate(small):
+                if is_small == order:
+                    self.first[i] = at
+                    at += rows[i]
+        self.segments = None
+        if any(small):
+            self.segments = _Segments([x for x, s in zip(arrays, small) if s],
+                                      [k for k, s in zip(keep, small) if s])
+        self.large = [(arrays[i], keep[i], rows[i]) for i, s in enumerate(small) if not s]
+
+    def sums(self, widen: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+        """Every row's sum of squares, one float32 vector (of `widen(operand)` if given)."""
+        pieces = [] if self.segments is None else [self.segments.sums(widen)]
+        widen = widen or (lambda x: x)
+        large = dot_squares([widen(x) for x, _, _ in self.large], [k for _, k, _ in self.large])
+        for (_, _, rows), total in zip(self.large, large, strict=True):
+            pieces.append(jnp.reshape(total, (rows,)))
+        if not pieces:
+            return jnp.zeros((0,), jnp.float32)
+        return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 
 _BLOCK_SIZES = (128, 2048, 32768, 524288, 8388608)
@@ -364,37 +420,50 @@ def segment_squares(arrays: Sequence[jax.Array], keep: Sequence[int]) -> jax.Arr
     sums added by one gather: a handful of kernels for any number of arrays. XLA:CPU compiles
     a kernel for every reduction (several, split in a tree) and every scalar it writes, about
     6 to 40 ms each, and the step's norms were most of its kernels."""
-    classes: dict[int, list[jax.Array]] = {}
-    placed: list[tuple[int, int, int]] = []  # per row: (block size, first block, blocks)
-    for x, k in zip(arrays, keep, strict=True):
-        shape = jnp.shape(x)
-        rows = int(np.prod(shape[:k], dtype=np.int64))
-        n = int(np.prod(shape[k:], dtype=np.int64))
-        size = next((b for b in _BLOCK_SIZES if n <= b * _MAX_BLOCKS), None)
-        if size is None:
-            size = -(-n // _MAX_BLOCKS)
-        blocks = max(1, -(-n // size))
-        pieces = classes.setdefault(size, [])
-        start = sum(jnp.shape(p)[0] for p in pieces)
-        flat = jnp.reshape(x, (rows, n))
-        if blocks * size != n:
-            flat = jnp.pad(flat, ((0, 0), (0, blocks * size - n)))
-        pieces.append(jnp.reshape(flat, (rows * blocks, size)))
-        placed.extend((size, start + r * blocks, blocks) for r in range(rows))
-    offsets, sums, total = {}, [], 0
-    for size, pieces in classes.items():
-        matrix = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-        offsets[size] = total
-        total += jnp.shape(matrix)[0]
-        sums.append(jnp.sum(matrix * matrix, axis=1))
-    if not placed:
-        return jnp.zeros((0,), jnp.float32)
-    widest = max(blocks for _, _, blocks in placed)
-    index = np.full((len(placed), widest), total, np.int32)  # `total`: the zero after the end
-    for row, (size, first, blocks) in enumerate(placed):
-        index[row, :blocks] = offsets[size] + first + np.arange(blocks)
-    block_sums = _with_zero(*sums)
-    return jnp.sum(block_sums[index], axis=1)
+    return _Segments(arrays, keep).sums()
+
+
+class _Segments:
+    """`segment_squares`' matrices (one per block size) and each row's blocks in them."""
+
+    def __init__(self, arrays: Sequence[jax.Array], keep: Sequence[int]) -> None:
+        classes: dict[int, list[jax.Array]] = {}
+        placed: list[tuple[int, int, int]] = []  # per row: (block size, first block, blocks)
+        for x, k in zip(arrays, keep, strict=True):
+            shape = jnp.shape(x)
+            rows = int(np.prod(shape[:k], dtype=np.int64))
+            n = int(np.prod(shape[k:], dtype=np.int64))
+            size = next((b for b in _BLOCK_SIZES if n <= b * _MAX_BLOCKS), None)
+            if size is None:
+                size = -(-n // _MAX_BLOCKS)
+            blocks = max(1, -(-n // size))
+            pieces = classes.setdefault(size, [])
+            start = sum(jnp.shape(p)[0] for p in pieces)
+            flat = jnp.reshape(x, (rows, n))
+            if blocks * size != n:
+                flat = jnp.pad(flat, ((0, 0), (0, blocks * size - n)))
+            pieces.append(jnp.reshape(flat, (rows * blocks, size)))
+            placed.extend((size, start + r * blocks, blocks) for r in range(rows))
+        offsets, self.matrices, total = {}, [], 0
+        for size, pieces in classes.items():
+            matrix = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+            offsets[size] = total
+            total += jnp.shape(matrix)[0]
+            self.matrices.append(matrix)
+        self.index = None
+        if placed:
+            widest = max(blocks for _, _, blocks in placed)
+            # `total`: the zero after the end
+            self.index = np.full((len(placed), widest), total, np.int32)
+            for row, (size, first, blocks) in enumerate(placed):
+                self.index[row, :blocks] = offsets[size] + first + np.arange(blocks)
+
+    def sums(self, widen: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+        if self.index is None:
+            return jnp.zeros((0,), jnp.float32)
+        matrices = self.matrices if widen is None else [widen(m) for m in self.matrices]
+        block_sums = _with_zero(*[jnp.sum(m * m, axis=1) for m in matrices])
+        return jnp.sum(block_sums[self.index], axis=1)
 
 
 def gather_sums(values: jax.Array, groups: Sequence[Sequence[int]]) -> jax.Array:
@@ -422,15 +491,22 @@ def tree_norm(tree: PyTree) -> jax.Array:
 
 def tree_norms(*trees: PyTree) -> list[jax.Array]:
     """`[tree_norm(t) for t in trees]`, their leaves' sums of squares taken together (one
-    reduction per shape over all the trees)."""
-    leaves = [inexact_leaves(t) for t in trees]
-    sums = sums_of_squares([leaf for group in leaves for leaf in group])
-    norms, start = [], 0
-    for group in leaves:
-        part = sums[start:start + len(group)]
-        start += len(group)
-        norms.append(jnp.sqrt(sum(part[1:], part[0])) if part else jnp.zeros((), jnp.float32))
-    return norms
+    reduction per shape over all the trees), without overflow (`overflow_safe_norms`)."""
+    groups = [inexact_leaves(t) for t in trees]
+    if not trees:
+        return []
+
+    def totals(widen: Callable[[Any], jax.Array]) -> jax.Array:
+        sums = sums_of_squares([widen(leaf) for group in groups for leaf in group])
+        per_tree, start = [], 0
+        for group in groups:
+            part = sums[start:start + len(group)]
+            start += len(group)
+            per_tree.append(sum(part[1:], part[0]) if part else jnp.zeros((), jnp.float32))
+        return jnp.stack(per_tree)
+
+    norms = overflow_safe_norms(totals(lambda x: x), lambda: totals(rescaled)).norms
+    return [norms[i] for i in range(len(trees))]
 
 
 def learning_metrics(
@@ -594,7 +670,26 @@ class Measured:
         return leaf, index
 
     def totals(self) -> jax.Array:
-        """Every slot's sum of squares, one float32 vector in slot order."""
+        """Every slot's sum of squares, one float32 vector in slot order (it overflows for
+        entries from ~1.8e19: `norms` takes the norms without overflow)."""
+        plan = self._plan()
+        squares, first = row_squares(plan.arrays(_float32), plan.kept)
+        return gather_sums(squares, plan.slot_rows(first))
+
+    def norms(self) -> Norms:
+        """Every slot's norm, in slot order: the sums of squares of `totals`, a sum that
+        overflowed taken again from the same operands rescaled (`overflow_safe_norms`). The
+        second sums read the buffers the first read (`RowSquares`), so that they, run only on
+        a step whose sums overflowed, make XLA keep nothing in memory the first did not."""
+        plan = self._plan()
+        layout = RowSquares(plan.arrays(_float32), plan.kept)
+        rows = plan.slot_rows(layout.first)
+        return overflow_safe_norms(gather_sums(layout.sums(), rows),
+                                   lambda: gather_sums(layout.sums(rescaled), rows))
+
+    def _plan(self) -> _Plan:
+        """What `totals` measures: each array once (keyed by identity; a difference of two
+        arrays is one), how many of its leading axes are rows, and each slot's terms."""
         # what to reduce: (kind, arrays...) keyed by the arrays' identity, with how many
         # leading (row) axes to keep
         wanted: dict[tuple, list] = {}
@@ -615,28 +710,46 @@ class Measured:
                 entry[1] = max(entry[1], len(index))
                 resolved.append((key, index))
             terms.append(resolved)
-        keys = list(wanted)
+        return _Plan(wanted, terms)
+
+
+def _float32(x: Any) -> jax.Array:
+    return jnp.asarray(x).astype(jnp.float32)
+
+
+class _Plan:
+    """A `Measured`'s arrays and slots, laid out for `row_squares` (see `Measured._plan`)."""
+
+    def __init__(self, wanted: dict[tuple, list], terms: list) -> None:
+        self.wanted, self.terms = wanted, terms
+        self.keys = list(wanted)
+        self.kept = [wanted[k][1] for k in self.keys]
+
+    def arrays(self, widen: Callable[[Any], jax.Array]) -> list[jax.Array]:
+        """The arrays to measure, each operand passed through `widen` (float32) first."""
         arrays = []
-        for key in keys:
-            operands = wanted[key][0]
-            x = jnp.asarray(operands[0]).astype(jnp.float32)
+        for key in self.keys:
+            operands = self.wanted[key][0]
+            x = widen(operands[0])
             if key[0] == "difference":
-                x = x - jnp.asarray(operands[1]).astype(jnp.float32)
+                x = x - widen(operands[1])
             arrays.append(x)
-        kept = [wanted[k][1] for k in keys]
-        # every row of every array is an entry of one vector; a slot sums some of them
-        squares, first = row_squares(arrays, kept)
-        first_row = dict(zip(keys, first, strict=True))
+        return arrays
+
+    def slot_rows(self, first: Sequence[int]) -> list[list[int]]:
+        """Each slot's rows in a vector of every array's row sums, array `i`'s rows starting
+        at `first[i]`."""
+        first_row = dict(zip(self.keys, first, strict=True))
         slot_rows = []
-        for resolved in terms:
+        for resolved in self.terms:
             rows: list[int] = []
             for key, index in resolved:
-                lead = jnp.shape(wanted[key][0][0])[:wanted[key][1]]
+                lead = jnp.shape(self.wanted[key][0][0])[:self.wanted[key][1]]
                 numbered = np.arange(int(np.prod(lead, dtype=np.int64))).reshape(lead)
                 picked = numbered[index] if index else numbered
                 rows.extend(int(r) for r in first_row[key] + np.asarray(picked).reshape(-1))
             slot_rows.append(rows)
-        return gather_sums(squares, slot_rows)
+        return slot_rows
 
 
 _MEASURING: list[tuple[Measured, Any]] = []  # (collection, the trace it gathers in)
@@ -684,35 +797,40 @@ def measuring() -> Measured | None:
     return measured if trace is _current_trace() else None
 
 
-def resolve_pending(tree: PyTree, measured: Measured, totals: jax.Array | None = None
-                    ) -> PyTree:
+def resolve_pending(tree: PyTree, measured: Measured,
+                    norms: Norms | jax.Array | None = None) -> PyTree:
     """`tree` with every `PendingNorm` and `PendingFinite` replaced by its value, read off
-    `totals` (`measured.totals()` when not given).
+    `norms` (`measured.norms()` when not given; a plain vector is read as the sums of squares
+    of `measured.totals()`, as in release 0.3): a norm is its slot's norm, a flag whether
+    every one of its slots' norms is finite.
 
-    All norms are taken as one vector (one gather, one square root) and all flags as
-    another, and every node gets its entries of them: a kernel per value would cost the
-    step's compile more than the values' arithmetic."""
+    All norms are taken as one vector (one gather) and all flags as another, and every node
+    gets its entries of them: a kernel per value would cost the step's compile more than the
+    values' arithmetic."""
     nodes = [n for n in jax.tree_util.tree_leaves(tree, is_leaf=_is_pending) if _is_pending(n)]
     if not nodes:
         return tree
-    if totals is None:
-        totals = measured.totals()
-    totals = jnp.asarray(totals)
-    n_totals = int(jnp.shape(totals)[0])
-    extended = _with_zero(totals)  # [n_totals]: a finite 0, for padded rows
+    if norms is None:
+        norms = measured.norms()
+    elif not isinstance(norms, Norms):  # sums of squares, taken as they are
+        sums = jnp.asarray(norms)
+        norms = Norms(jnp.sqrt(sums))
+    values_of = jnp.asarray(norms.norms)
+    n_norms = int(jnp.shape(values_of)[0])
+    extended = _with_zero(values_of)  # [n_norms]: a finite 0, for padded rows
     known = [n for n in nodes if isinstance(n.slot if isinstance(n, PendingNorm) else n.slots,
                                             np.ndarray | np.generic)]
     norm_rows = [np.asarray(n.slot, np.int32).reshape(-1) for n in known
                  if isinstance(n, PendingNorm)]
     flag_rows = [np.asarray(n.slots, np.int32) for n in known if isinstance(n, PendingFinite)]
-    norms = flags = jnp.zeros((0,), jnp.float32)
+    picked = flags = jnp.zeros((0,), jnp.float32)
     if norm_rows:
-        norms = jnp.sqrt(extended[np.concatenate(norm_rows)])
+        picked = extended[np.concatenate(norm_rows)]
     if flag_rows:
         width = max(1, max(r.shape[-1] for r in flag_rows))
         index = np.concatenate([
             np.pad(r.reshape(-1, r.shape[-1]), ((0, 0), (0, width - r.shape[-1])),
-                   constant_values=n_totals) for r in flag_rows])
+                   constant_values=n_norms) for r in flag_rows])
         flags = jnp.all(jnp.isfinite(extended[index]), axis=-1)
     values: dict[int, jax.Array] = {}
     at_norm = at_flag = 0
@@ -720,7 +838,7 @@ def resolve_pending(tree: PyTree, measured: Measured, totals: jax.Array | None =
         if isinstance(node, PendingNorm):
             shape = np.shape(node.slot)
             size = int(np.prod(shape, dtype=np.int64))
-            values[id(node)] = jnp.reshape(norms[at_norm:at_norm + size], shape)
+            values[id(node)] = jnp.reshape(picked[at_norm:at_norm + size], shape)
             at_norm += size
         else:
             shape = np.shape(node.slots)[:-1]
@@ -735,8 +853,8 @@ def resolve_pending(tree: PyTree, measured: Measured, totals: jax.Array | None =
             return values[id(node)]
         # slots that are arrays of the trace (stacked by a scan): gathered as they are
         if isinstance(node, PendingNorm):
-            return jnp.sqrt(totals[node.slot])
-        return jnp.all(jnp.isfinite(totals[node.slots]), axis=-1)
+            return values_of[node.slot]
+        return jnp.all(jnp.isfinite(values_of[node.slots]), axis=-1)
 
     return jax.tree_util.tree_map(resolve, tree, is_leaf=_is_pending)
 

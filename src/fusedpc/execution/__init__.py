@@ -10,6 +10,7 @@ from fusedpc.execution._pipeline import InputRangeError as InputRangeError
 from fusedpc.execution._pipeline import NonFiniteStepError as NonFiniteStepError
 from fusedpc.execution._program import SKIP_REASONS as SKIP_REASONS
 from fusedpc.execution._program import Counters as Counters
+from fusedpc.execution._program import MaskCheck as MaskCheck
 from fusedpc.execution._program import StepCarry as StepCarry
 from fusedpc.execution._program import StepMetrics as StepMetrics
 from fusedpc.execution._program import StepOutput as StepOutput

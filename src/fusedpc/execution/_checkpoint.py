@@ -256,7 +256,7 @@ def _counters_from(manifest: dict) -> Counters:
     return Counters(
         steps,
         skipped,
-        jnp.asarray([guard["skips"][r] for r in SKIP_REASONS], jnp.int32),
+        jnp.asarray([guard["skips"].get(r, 0) for r in SKIP_REASONS], jnp.int32),
         jnp.asarray(0.0 if mean is None else mean, jnp.float32),
         jnp.asarray(guard["loss_count"], jnp.int32),
     )
@@ -267,7 +267,11 @@ def _check_guard(path: str, manifest: dict) -> None:
     if guard is None:
         return
     skips = guard.get("skips") if isinstance(guard, dict) else None
-    if not isinstance(skips, dict) or sorted(skips) != sorted(SKIP_REASONS):
+    # a manifest of fusedpc 0.3 has no "invalid mask" count (that rule came in 0.4): 0
+    known = sorted(SKIP_REASONS)
+    if isinstance(skips, dict) and sorted(skips) == [r for r in known if r != "invalid mask"]:
+        skips = {**skips, "invalid mask": 0}
+    if not isinstance(skips, dict) or sorted(skips) != known:
         raise _corrupted(
             path, f"the manifest's guard.skips is {skips!r}, not a count for each of "
             f"{list(SKIP_REASONS)}"
@@ -308,6 +312,19 @@ def _fsync_directory(directory: str) -> None:
             os.close(fd)
 
 
+@contextlib.contextmanager
+def naming_the_file(path: str | os.PathLike, note: str = "") -> Iterator[None]:
+    """An `OSError` inside that names no file (a full disk: "No space left on device") is
+    raised again naming `path`, with `note` after its reason; others pass unchanged."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None or not err.strerror:
+            raise
+        reason = f"{err.strerror} while writing ({note})" if note else err.strerror
+        raise type(err)(err.errno, reason, os.fspath(path)) from err
+
+
 def _write_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
     """`write` into a temporary file beside `path`, `fsync` it, rename it over `path`; on any
     failure the temporary file is removed and the error re-raised, `path` untouched."""
@@ -316,11 +333,12 @@ def _write_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
         directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     )
     try:
-        with _open_for_writing(temporary) as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
+        with naming_the_file(path, "the file there before, if any, is unchanged"):
+            with _open_for_writing(temporary) as file:
+                write(file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)

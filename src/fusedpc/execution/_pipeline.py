@@ -43,7 +43,8 @@ class NonFiniteStepError(FloatingPointError):
 
 
 class InputRangeError(ValueError):
-    """Raised (policy `"raise"`) when a step's ids (token ids, class ids) were out of range;
+    """Raised (policy `"raise"`) when a step's ids (token ids, class ids) were out of range,
+    or its row mask was invalid (a negative or non-finite weight, or no weight at all);
     names the argument, the value and the range."""
 
 
@@ -258,22 +259,23 @@ class FusedPipeline:
         pending = self._pending_flat.tree
         self._pending_flat = None
         codes = np.asarray(pending.skip_reason).reshape(-1)
-        raising = (SKIP_REASONS.index("id out of range") + 1, SKIP_REASONS.index("non-finite") + 1)
+        raising = [SKIP_REASONS.index(r) + 1 for r in ("id out of range", "invalid mask",
+                                                       "non-finite")]
         bad_steps = np.flatnonzero(np.isin(codes, raising))
         if not bad_steps.size:
             return
         bad = int(bad_steps[0])
         skip = _report.skip_reason(pending, bad, stacked=self._last_stacked)
         assert skip is not None
-        if skip.reason.endswith("out of range"):
+        if skip.reason.endswith("out of range") or skip.reason == "invalid mask":
             raise InputRangeError(
                 f"step {bad} of the last call was not committed: {skip.message} The state was "
                 "kept as it was before that step."
             )
         raise NonFiniteStepError(
             f"step {bad} of the last call produced a non-finite value first in part "
-            f"{skip.part!r}; the state was kept as it was before that step. Lower that "
-            "part's learning rate or check its inputs."
+            f"{skip.part!r}; the state was kept as it was before that step. "
+            f"{_report.nonfinite_advice(pending, bad)}"
         )
 
     def check(self, x: Any, target: Any) -> jax.ShapeDtypeStruct:
@@ -307,7 +309,7 @@ class FusedPipeline:
         _validation.check_non_empty(x, x_name)
         self._validate_values(x)
         if mask is not None:
-            _validation.check_mask(mask, "masks" if batched else "mask")
+            _validation.check_mask(mask, "masks" if batched else "mask", batched)
         if batched:
             _validation.check_batch_rank(x, x_name, batched)
             _validation.check_same_steps(x, target)

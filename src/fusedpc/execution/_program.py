@@ -46,24 +46,56 @@ from fusedpc.core._metrics import (
     metric_leaves,
     metrics_finite,
     resolve_pending,
-    sums_finite,
-    sums_finite_vector,
-    tree_norm,
+    slot_flags_vector,
+    slot_tree,
 )
 from fusedpc.core._packed import Packed
 from fusedpc.core._part import AbstractPart, Core, PyTree
 from fusedpc.core._precision import computing_in, resolve_compute_dtype, widened
+from fusedpc.execution._validation import mask_problem
 
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 NORMALISATIONS = ("active", "rows")
 # Why a step was not committed: `StepMetrics.skip_reason` is 0 for a committed step and
 # 1 + the index of the first rule, in this order, that refused it.
-SKIP_REASONS = ("id out of range", "non-finite", "update ratio", "loss spike")
+SKIP_REASONS = ("id out of range", "invalid mask", "non-finite", "update ratio", "loss spike")
 # The loss guard's running mean: the plain mean of the first LOSS_MEAN_HORIZON committed
 # losses, then an exponential mean with that horizon; it guards from LOSS_SPIKE_WARMUP
 # committed steps on.
 LOSS_MEAN_HORIZON = 100
 LOSS_SPIKE_WARMUP = 10
+
+
+class MaskCheck(eqx.Module):
+    """The in-program check of a step's row mask (a device mask's values are not read back
+    before the step): every weight finite and >= 0, and some weight.
+
+    Attributes:
+        ok: whether the mask is usable (the step's `"invalid mask"` rule).
+        finite: whether every weight is finite.
+        low: the smallest finite weight.
+        total: the sum of the weights (float32).
+    """
+
+    ok: jax.Array
+    finite: jax.Array
+    low: jax.Array
+    total: jax.Array
+
+    def message(self, argument: str = "mask") -> str:
+        """One line naming `argument`: what is wrong with the mask (host values)."""
+        problem = mask_problem(bool(np.asarray(self.finite)), float(np.asarray(self.low)),
+                               float(np.asarray(self.total)))
+        return f"{argument}: {problem or 'the mask was refused.'}"
+
+
+def mask_check(weights: jax.Array) -> MaskCheck:
+    """The `MaskCheck` of a step's row weights (two reductions over one weight per row)."""
+    w = jnp.asarray(weights, jnp.float32)
+    finite = jnp.all(jnp.isfinite(w))
+    low = jnp.min(jnp.where(jnp.isfinite(w), w, 0.0))
+    total = jnp.sum(w)
+    return MaskCheck(finite & (low >= 0) & (total > 0) & jnp.isfinite(total), finite, low, total)
 
 
 class Counters(eqx.Module):
@@ -129,6 +161,7 @@ class StepMetrics(eqx.Module):
         skip_reason: int32, 0 when committed, else 1 + the index in `SKIP_REASONS` of the
             rule that refused the step.
         input_checks: the in-program `IdRangeCheck`s of the step's inputs and targets.
+        mask_check: the in-program `MaskCheck` of the step's row mask (None without one).
         loss_mean: the running mean loss the loss guard compared this step's loss with.
         reported: whether the parts' report norms were computed (False for `run`'s steps
             between reports, whose `parts` norms are NaN: see `StepProgram.run`).
@@ -143,6 +176,7 @@ class StepMetrics(eqx.Module):
     input_checks: tuple[IdRangeCheck, ...] = ()
     loss_mean: jax.Array = None  # type: ignore[assignment]
     reported: jax.Array = None  # type: ignore[assignment]
+    mask_check: MaskCheck | None = None
 
     def __init__(
         self,
@@ -154,6 +188,7 @@ class StepMetrics(eqx.Module):
         input_checks: tuple[IdRangeCheck, ...] = (),
         loss_mean: jax.Array = None,  # type: ignore[assignment]
         reported: jax.Array = None,  # type: ignore[assignment]
+        mask_check: MaskCheck | None = None,
     ) -> None:
         self.loss = loss
         self.committed = committed
@@ -164,6 +199,7 @@ class StepMetrics(eqx.Module):
         self.input_checks = input_checks
         self.loss_mean = loss_mean
         self.reported = reported
+        self.mask_check = mask_check
 
     @property
     def parts(self) -> PyTree:
@@ -437,7 +473,8 @@ class StepProgram:
                 computes its norms (the guard reads them).
 
         The step is committed unless, in this order: an input id lies outside its range
-        (`"id out of range"`); anything is not representable (`"non-finite"`: a NaN or an
+        (`"id out of range"`); a weight of `mask` is negative or not finite, or none is
+        positive (`"invalid mask"`); anything is not representable (`"non-finite"`: a NaN or an
         infinity in the new state, the output, the input error or the loss, or a part's
         update, weight or error norm that overflows float32); a part's update / weight ratio
         exceeds `max_update_ratio` (`"update ratio"`); the loss exceeds `loss_spike` times
@@ -449,9 +486,12 @@ class StepProgram:
         checks = self.input_checks(x, target, int(jnp.shape(y)[-1]))
         error = self.error_fn.error(y, target)
         weights = None
+        mask_ok, checked_mask = jnp.array(True), None
         scaled: Any = contextlib.nullcontext()
         if mask is not None:
             error, weights = apply_row_mask(error, mask)
+            checked_mask = mask_check(weights)
+            mask_ok = checked_mask.ok
             # what the mask scaled every real row by, for parts not linear in their error
             scaled = error_scaled_by(weights.size / jnp.sum(weights))
         elif self.error_normalisation == "active":
@@ -464,17 +504,21 @@ class StepProgram:
         ids_ok = jnp.stack([c.ok for c in checks]).all() if checks else jnp.array(True)
         # One flag per state leaf (kept in the metrics to name a bad leaf), then one rule for
         # all: the same flags name the part in reports. The state's sums of squares are taken
-        # with the parts' report norms (a part's new weights are state leaves: measured once).
+        # with the parts' report norms (a part's new weights are state leaves: measured once),
+        # and so is the output error's (the last part's `error_norm`). Every norm is taken
+        # without overflow: entries of 1e20 have a finite norm, and a representable state
+        # passes (a float32 sum of squares overflows from entries of ~1.8e19).
         state_slots = measured.add_each(new_state)
-        totals = measured.totals()
-        state_flags = sums_finite_vector(state_slots, totals)  # the rule reads it whole
-        state_finite = sums_finite(state_slots, totals, state_flags)
-        part_metrics = resolve_pending(part_metrics, measured, totals)
+        error_slot = measured.add(error)
+        norms = measured.norms()
+        state_flags = slot_flags_vector(state_slots, jnp.isfinite(norms.norms))  # read whole
+        state_finite = slot_tree(state_slots, state_flags)
+        part_metrics = resolve_pending(part_metrics, measured, norms)
         finite_flags = [
             jnp.all(state_flags),
             all_finite((y, input_error)),
             metrics_finite(part_metrics),  # each part's own flag: its norms overflowing count
-            jnp.isfinite(tree_norm(error)),
+            jnp.isfinite(norms.norms[error_slot]),
         ]
         known = self.error_fn.loss if weights is None else self.error_fn.row_loss
         if known is not None:  # a placeholder NaN (no loss) is not a failure
@@ -490,7 +534,8 @@ class StepProgram:
             guarding = counters.loss_count >= LOSS_SPIKE_WARMUP
             spike_ok = ~(guarding & (loss > self.loss_spike * counters.loss_mean))
         code = jnp.int32(0)
-        for number, ok in reversed(list(enumerate((ids_ok, finite, ratio_ok, spike_ok), 1))):
+        rules = (ids_ok, mask_ok, finite, ratio_ok, spike_ok)  # in SKIP_REASONS' order
+        for number, ok in reversed(list(enumerate(rules, 1))):
             code = jnp.where(ok, code, jnp.int32(number))
         committed = code == 0
         new_state = jax.tree_util.tree_map(
@@ -506,6 +551,7 @@ class StepProgram:
             input_checks=checks,
             loss_mean=carry.counters.loss_mean,
             reported=jnp.array(detailed),
+            mask_check=checked_mask,
         )
         return StepCarry(new_state, counters), StepOutput(y, input_error, metrics)
 
@@ -691,6 +737,7 @@ __all__ = [
     "LOSS_SPIKE_WARMUP",
     "SKIP_REASONS",
     "Counters",
+    "MaskCheck",
     "StepCarry",
     "StepMetrics",
     "StepOutput",

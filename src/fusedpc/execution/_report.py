@@ -60,10 +60,10 @@ class SkipReason(NamedTuple):
     """Why a step was not committed.
 
     Attributes:
-        reason: `"token id out of range"` / `"class id out of range"`, `"non-finite"`,
-            `"update ratio"` or `"loss spike"`.
-        part: the part it names (`"<root>"` for the tree's output or loss, None for a loss
-            spike, which belongs to no part).
+        reason: `"token id out of range"` / `"class id out of range"`, `"invalid mask"`,
+            `"non-finite"`, `"update ratio"` or `"loss spike"`.
+        part: the part it names (`"<root>"` for the tree's output or loss, None for a mask
+            or a loss spike, which belong to no part).
         message: one line for logs and errors: what was seen against what was allowed.
     """
 
@@ -100,6 +100,11 @@ def skip_reason(
                     f"{kind} out of range", display_path(check.path), check.message(argument)
                 )
         return SkipReason("id out of range", None, "an input id was out of range.")
+    if reason == "invalid mask":
+        argument = "masks" if stacked else "mask"
+        message = (chosen.mask_check.message(argument) if chosen.mask_check is not None
+                   else f"{argument}: the mask was refused.")
+        return SkipReason(reason, None, message)
     if reason == "non-finite":
         part = first_nonfinite(metrics, index)
         return SkipReason(
@@ -122,6 +127,28 @@ def skip_reason(
         None,
         f"loss {loss:.4g} exceeded loss_spike {loss_spike} times the running mean {mean:.4g}.",
     )
+
+
+def nonfinite_advice(metrics: StepMetrics, index: int = -1) -> str:
+    """What a user can do about a non-finite step, by what `first_nonfinite` names: a part
+    that learns (its report row has an update) or a state leaf (only learning parts change
+    theirs) has a learning rate to lower; a frozen part has none; `<root>` is the output,
+    input error or loss."""
+    chosen = jax.device_get(select_step(metrics, index))
+    flagged = [m for _, m in iter_metrics(chosen.parts) if not bool(np.asarray(m.finite))]
+    if flagged:
+        learns = any("update_norm" in row for row in flagged[-1].rows(""))
+    else:
+        learns = not all(bool(np.asarray(ok))
+                         for ok in jax.tree_util.tree_leaves(chosen.state_finite))
+    if learns:
+        return "Lower that part's learning rate or check its inputs."
+    if not flagged:
+        return ("The tree's output, its input error or the loss was not finite: check the "
+                "batch (inputs and targets) and the error function.")
+    return ("That part is frozen (it has no learning rate): its formula met values beyond "
+            "float32. Check the batch, or bound the steps of the learning parts around it "
+            "(lower their learning rates, or set clip_global_norm or max_update_ratio).")
 
 
 def _ratio_key(ratio: float) -> float:

@@ -64,17 +64,47 @@ def check_same_steps(xs: Any, targets: Any, name: str = "targets") -> None:
         )
 
 
-def check_mask(mask: Any, name: str) -> None:
-    """A row mask is an array of booleans or numbers; host values are finite and >= 0."""
+def check_mask(mask: Any, name: str, batched: bool = False) -> None:
+    """A row mask is an array of booleans or real numbers; host values are finite and >= 0
+    and give some row a weight (each step's, for `run`'s `masks`: `batched`). Device masks
+    are checked inside the step (`fusedpc.execution.MaskCheck`)."""
     check_array(mask, name)
-    if isinstance(mask, jax.Array) or np.asarray(mask).size == 0:
-        return  # shapes are checked at trace time; device values are not read back
-    host = np.asarray(mask, dtype=np.float64)
-    if not np.all(np.isfinite(host)) or np.any(host < 0):
-        bad = host[~(np.isfinite(host) & (host >= 0))].reshape(-1)[0]
-        raise ValueError(
-            f"{name}: row weights must be finite and >= 0 (0 for padding rows), got {bad!r}."
+    if jnp.issubdtype(mask.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{name}: expected booleans or real numbers (row weights), got dtype {mask.dtype}; "
+            f"pass the weights' real part if that is what you mean."
         )
+    if isinstance(mask, jax.Array) or np.asarray(mask).size == 0:
+        return  # shapes are checked at trace time; device values inside the step
+    with np.errstate(over="ignore"):  # as the step reads it: in float32
+        host = np.asarray(mask).astype(np.float32)
+    steps = host.reshape(host.shape[0], -1) if batched and host.ndim > 1 else host.reshape(1, -1)
+    for step, weights in enumerate(steps):
+        problem = mask_problem(
+            bool(np.isfinite(weights).all()),
+            float(np.min(np.where(np.isfinite(weights), weights, 0.0))),
+            float(np.sum(weights, dtype=np.float32)),
+        )
+        if problem is not None:
+            where = f"{name}[{step}]" if batched else name
+            raise ValueError(f"{where}: {problem}")
+
+
+def mask_problem(finite: bool, low: float, total: float) -> str | None:
+    """What is wrong with a row mask, from whether its weights are all finite, its smallest
+    finite weight and its sum (None: nothing). The host check and the in-program one
+    (`MaskCheck.message`) say the same."""
+    if not finite:
+        return ("row weights must be finite and >= 0 (0 for padding rows), got a NaN or an "
+                "infinity.")
+    if low < 0:
+        return f"row weights must be finite and >= 0 (0 for padding rows), got {low!r}."
+    if not total > 0:
+        return ("the mask has no weight (every row is 0), so the step has nothing to learn "
+                "from; give at least one row a weight > 0.")
+    if not np.isfinite(total):
+        return f"the row weights sum to {total!r}, beyond float32; scale them down."
+    return None
 
 
 def mask_signature(mask: Any) -> tuple | None:

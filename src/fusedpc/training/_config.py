@@ -16,6 +16,7 @@ import math
 import warnings
 from typing import Any
 
+from fusedpc._deprecation import REMOVED_IN
 from fusedpc.training import data
 from fusedpc.training._optimisers import DEFAULT_WEIGHT_DECAY, LR_SCHEDULES, OPTIMISERS
 from fusedpc.transformer._build import GPT_LEARNING_KINDS, ITERATIVE, SLOTS, GPTConfig
@@ -41,7 +42,6 @@ RENAMED = {"heads": "n_heads", "blocks": "n_blocks", "seq": "max_len"}
 `overrides`, `TrainConfig(...)` keywords and attributes, CLI flags) keep working for one
 release, with a `DeprecationWarning` (the CLI flags without one)."""
 
-REMOVED_IN = "0.3"
 
 
 def _deprecated(old: list[str], where: str) -> None:
@@ -267,6 +267,12 @@ class TrainConfig:
         if not 0 <= self.lr_final_fraction <= 1:
             raise ValueError(
                 f"lr_final_fraction must lie in [0, 1], got {self.lr_final_fraction!r}."
+            )
+        if self.lr_schedule == "constant" and 0 < self.steps <= self.warmup_steps:
+            # as the cosine schedule's check below: a warm-up that outlasts the run
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must be below steps ({self.steps}): the "
+                "warm-up would outlast the run, which then never trains at lr."
             )
         decay = self.lr_decay_steps or self.steps
         if self.lr_schedule == "cosine" and decay <= self.warmup_steps:

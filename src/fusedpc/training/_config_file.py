@@ -47,6 +47,11 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
             raw = tomllib.load(f)
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"config file {path!r} is not valid TOML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"config file {path!r} is not UTF-8 text (byte {err.object[err.start]:#04x} at "
+            f"offset {err.start}); save it as UTF-8."
+        ) from None
     section_of = {name: s for s, names in SECTIONS.items() for name in names}
     section_of.update({old: section_of[new] for old, new in RENAMED.items()})  # 0.1 keys
     flat: dict[str, Any] = {}
@@ -125,7 +130,8 @@ def resolve_config(
 
 
 def resume_config(
-    run_dir: str | os.PathLike, overrides: dict[str, Any] | None = None
+    run_dir: str | os.PathLike, overrides: dict[str, Any] | None = None, *,
+    argument: str = "--resume",
 ) -> TrainConfig:
     """The config of the run in `run_dir`, with the `overrides` a resumed run may change.
 
@@ -136,6 +142,7 @@ def resume_config(
     Args:
         run_dir: the folder of a run `fusedpc train` wrote.
         overrides: flat settings, as for `resolve_config`.
+        argument: what the messages call `run_dir` (the flag or argument it came from).
 
     Returns:
         The `TrainConfig` to continue with.
@@ -146,11 +153,11 @@ def resume_config(
     """
     run_dir = os.fspath(run_dir)
     if not os.path.isdir(run_dir):
-        raise FileNotFoundError(f"--resume: no run folder at {run_dir!r}")
+        raise FileNotFoundError(f"{argument}: no run folder at {run_dir!r}")
     for name in (CONFIG_NAME, CHECKPOINT_NAME):
         if not os.path.isfile(os.path.join(run_dir, name)):
             raise FileNotFoundError(
-                f"--resume: {run_dir!r} has no {name}; give the folder of a run that "
+                f"{argument}: {run_dir!r} has no {name}; give the folder of a run that "
                 "fusedpc train wrote."
             )
     saved = resolve_config(os.path.join(run_dir, CONFIG_NAME))

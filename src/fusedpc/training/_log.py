@@ -8,6 +8,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from fusedpc.execution._checkpoint import naming_the_file
+
 LOG_NAME = "log.jsonl"
 
 
@@ -66,30 +68,35 @@ class RunLog:
 
     def __init__(self, path: Path, history: list[dict], write: bool, sinks: tuple = ()):
         self.records = list(history)
+        self.path = path
         self._file = None
         # Other writers of the same records (TensorBoard), called as records are emitted.
         self._sinks = tuple(sinks) if write else ()
         if write:
-            write_lines(path, self.records)
-            self._file = open(path, "a", encoding="utf-8")
+            with naming_the_file(path):
+                write_lines(path, self.records)
+                self._file = open(path, "a", encoding="utf-8")
 
     def emit(self, record: dict) -> None:
         self.records.append(record)
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            with naming_the_file(self.path):  # a full disk says which file
+                self._file.write(json.dumps(record) + "\n")
         for sink in self._sinks:
             sink(record)
 
     def flush(self) -> None:
         if self._file is not None:
-            self._file.flush()
+            with naming_the_file(self.path):
+                self._file.flush()
         for sink in self._sinks:
             sink.flush()
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            with naming_the_file(self.path):
+                file.close()
         for sink in self._sinks:
             sink.close()
         self._sinks = ()

@@ -37,6 +37,7 @@ import io
 import json
 import math
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -46,7 +47,11 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
-from fusedpc.execution._checkpoint import CheckpointError, read_checkpoint_manifest
+from fusedpc.execution._checkpoint import (
+    CheckpointError,
+    naming_the_file,
+    read_checkpoint_manifest,
+)
 from fusedpc.execution._sharding import make_global_batch
 from fusedpc.training import _plots, data
 from fusedpc.training._config import (
@@ -195,8 +200,11 @@ class _Session:
         here = resume_from is not None and os.path.abspath(self.out) == os.path.abspath(
             resume_from
         )
+        self.resumed_here = here
         if self.leader:  # claimed before anything is read or written; held for the run
             self.folder = RunFolder(self.out, resuming=here, created=created)
+        # what was there before: a failed start removes only what it wrote (`discard_start`)
+        self.found = set() if self.folder is None else {p.name for p in self.out.iterdir()}
         try:
             self._open(config, resume_from, stream, interactive, tokenizer, allow_config_change)
         except BaseException:
@@ -204,6 +212,23 @@ class _Session:
                 self.folder.abandon()  # a run refused at its start leaves no empty folder
                 self.folder = None
             raise
+
+    def discard_start(self) -> None:
+        """For a run that failed before its first step: remove what its start wrote (its
+        config, log, best checkpoint and TensorBoard files, none of which was there before,
+        and the folder if the run made it), as for a run refused at its start. A run
+        resumed in its own folder keeps everything there."""
+        if self.folder is None or self.resumed_here:
+            return
+        self.log.close()
+        for name in {CONFIG_NAME, LOG_NAME, BEST_NAME, TENSORBOARD_DIR} - self.found:
+            path = self.out / name
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        self.folder.abandon()
+        self.folder = None
 
     def release(self) -> None:
         """Give the run folder up (its lock), at the end of the run or on an error."""
@@ -323,7 +348,8 @@ class _Session:
         history = []
         if self.leader:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
+            with naming_the_file(self.out / CONFIG_NAME):
+                (self.out / CONFIG_NAME).write_text(config_to_toml(config), encoding="utf-8")
             previous = None if resume_from is None else Path(resume_from) / LOG_NAME
             if previous is not None and previous.exists():
                 with warnings.catch_warnings(record=True) as caught:
@@ -611,6 +637,11 @@ def _crossed(every: int, before: int, after: int) -> bool:
     return every > 0 and after // every > before // every
 
 
+class RunStartError(RuntimeError):
+    """A run whose first step failed inside XLA (an allocation that the memory estimate let
+    through, say): what its start wrote is removed, and the message is one line."""
+
+
 def train(
     config: TrainConfig,
     out: str | os.PathLike | None = None,
@@ -664,6 +695,15 @@ def train(
     )
     try:
         return _train_session(session, config, callback)
+    except jax.errors.JaxRuntimeError as err:
+        if session.step != session.start_step:
+            raise  # the run had trained: its last checkpoint is what it leaves
+        session.discard_start()
+        first = " ".join(str(err).split())[:240]
+        raise RunStartError(
+            f"the run failed before its first step completed ({first}); if memory is short "
+            "(a capped address space, a small machine), lower --batch, --width or --max-len."
+        ) from err
     finally:
         session.progress.close()  # never a progress line left redrawing after an error
         session.release()

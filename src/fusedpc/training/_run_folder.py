@@ -10,13 +10,16 @@ a folder is **claimed** before anything is written:
   share one;
 * the claimed folder is locked for the run's life: an exclusive `flock` on `.lock` in it
   (released by the operating system if the process dies, so a crash leaves no stale lock);
-  a second run into a locked folder is refused with one line naming the holder's pid.
+  a second run into a locked folder is refused with one line naming the holder's pid;
+* once locked, the temporary files that a killed run's checkpoint writes left behind
+  (`.checkpoint.fpc.<pid>.<hex>.tmp`) are removed: nothing else can be writing them.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
 from pathlib import Path
 from typing import IO
 
@@ -27,6 +30,8 @@ except ImportError:  # pragma: no cover - not on the platforms CI runs
 
 LOCK_NAME = ".lock"
 RUN_FILES = ("config.toml", "log.jsonl", "checkpoint.fpc")
+# the temporary files of an interrupted checkpoint write (fusedpc.execution's atomic write)
+LEFTOVER = re.compile(r"\.(?:checkpoint|best)\.fpc\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
 
 
 class RunFolderError(ValueError):
@@ -73,6 +78,7 @@ class RunFolder:
             ) from None
         self._file: IO[str] | None = None
         self._lock()
+        self.removed_leftovers = self._remove_leftovers()
         if not resuming:
             held = [name for name in RUN_FILES if (self.path / name).exists()]
             if held:
@@ -102,6 +108,22 @@ class RunFolder:
             self._file = handle
         self._file.write(f"{os.getpid()}\n")
         self._file.flush()
+
+    def _remove_leftovers(self) -> list[str]:
+        """Remove the temporary files of checkpoint writes that a killed run left here
+        (`.checkpoint.fpc.<pid>.<hex>.tmp`, `.best.fpc.<pid>.<hex>.tmp`, as the atomic write
+        names them), and return their names. They are provably leftovers: this run holds the
+        folder's lock, so no other run is writing here, and this process has written none."""
+        removed = []
+        for entry in self.path.iterdir():
+            match = LEFTOVER.fullmatch(entry.name)
+            if match and int(match["pid"]) != os.getpid() and entry.is_file():
+                try:
+                    entry.unlink()
+                except OSError:
+                    continue
+                removed.append(entry.name)
+        return sorted(removed)
 
     def _in_use(self, lock: Path) -> str:
         try:

@@ -172,7 +172,8 @@ def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
 
 
 def load_run(
-    run_dir: str | os.PathLike[str], *, tokenizer: data.Tokenizer | None = None
+    run_dir: str | os.PathLike[str], *, tokenizer: data.Tokenizer | None = None,
+    argument: str = "run_dir",
 ) -> tuple[FusedPipeline, data.Tokenizer, TrainConfig, dict[str, Any]]:
     """The run saved in `run_dir`.
 
@@ -180,11 +181,12 @@ def load_run(
         run_dir: a folder `fusedpc train` wrote (its `config.toml` and `checkpoint.fpc`).
         tokenizer: the tokeniser the run was trained with, when it is one of your own (a
             built-in one is rebuilt from the checkpoint).
+        argument: what the messages call `run_dir` (`fusedpc sample` and `eval` say `RUN`).
 
     Returns:
         `(pipeline, tokenizer, config, metadata)`.
     """
-    config = resume_config(run_dir)
+    config = resume_config(run_dir, argument=argument)
     path = os.path.join(os.fspath(run_dir), CHECKPOINT_NAME)
     metadata = read_checkpoint_manifest(path)["metadata"]
     tok = resolve_tokenizer(config, "", metadata["tokenizer"], tokenizer)

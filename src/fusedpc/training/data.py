@@ -65,6 +65,7 @@ def load_text(name_or_path: str | os.PathLike[str] | None = None) -> str:
 
     Raises:
         FileNotFoundError: when `name_or_path` is neither a bundled name nor an existing file.
+        ValueError: when the file is not UTF-8 text (the message names it).
     """
     if name_or_path is None:
         name_or_path = DEFAULT_TEXT
@@ -76,8 +77,15 @@ def load_text(name_or_path: str | os.PathLike[str] | None = None) -> str:
             f"no text file at {path!r}, and it is not a bundled text name "
             f"(bundled texts: {', '.join(bundled_texts())})"
         )
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"text file {path!r} is not UTF-8 (it holds byte {err.object[err.start]:#04x}, "
+            f"which UTF-8 cannot start there); save it as UTF-8, or convert it (for example "
+            f"iconv -f latin1 -t utf-8)."
+        ) from None
 
 
 def _as_ids(ids: Any) -> np.ndarray:

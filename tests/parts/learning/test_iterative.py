@@ -318,6 +318,35 @@ def test_bad_settings_name_the_setting(kwargs, message):
         IterativeNetwork(network([3, 4, 4, 2]), **kwargs)
 
 
+def test_numpy_scalars_are_settings_like_python_numbers():
+    # Reliability III: np.int64(4) and np.float32(0.1) were refused ("must be a finite number
+    # > 0, got np.float32(0.1)"), unlike everywhere else in the package.
+    part = IterativeNetwork(network([3, 4, 4, 2]), optax.sgd(0.1),
+                            inference_steps=np.int64(4), inference_rate=np.float32(0.1))
+    assert part.inference_steps == 4 and type(part.inference_steps) is int
+    assert part.inference_rate == pytest.approx(0.1) and type(part.inference_rate) is float
+    for bad in (np.bool_(True), True):
+        with pytest.raises(ValueError, match="inference_steps must be an integer >= 0"):
+            IterativeNetwork(network([3, 4, 4, 2]), inference_steps=bad)
+        with pytest.raises(ValueError, match="inference_rate must be a finite number > 0"):
+            IterativeNetwork(network([3, 4, 4, 2]), inference_rate=bad)
+    with pytest.raises(ValueError, match="inference_rate must be a finite number > 0"):
+        IterativeNetwork(network([3, 4, 4, 2]), inference_rate=np.float32(np.nan))
+
+
+def test_zero_inference_steps_learn_only_the_last_matrix():
+    # What T = 0 means (the docstring says it): no relaxation, the hidden errors stay 0.
+    part = IterativeNetwork(network([3, 4, 4, 2]), optax.sgd(0.1), inference_steps=0)
+    pipeline = fusedpc.FusedPipeline(part)
+    x, t = normal(0, (5, 3)), normal(1, (5, 2))
+    before = [np.array(w) for w in pipeline.state.params.weights]
+    _, input_error = pipeline.step(x, t)
+    moved = [float(np.abs(np.asarray(w) - b).max())
+             for w, b in zip(pipeline.state.params.weights, before, strict=True)]
+    assert moved[:-1] == [0.0, 0.0] and moved[-1] > 0
+    assert float(np.abs(np.asarray(input_error)).max()) == 0.0
+
+
 def test_network_must_be_a_pc_network():
     with pytest.raises(TypeError, match="network must be a PCNetwork, got str"):
         IterativeNetwork("net")

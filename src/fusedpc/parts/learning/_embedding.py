@@ -175,6 +175,16 @@ class LearningEmbedding(AbstractPart):
         return Core(forward, backward, write_back)
 
 
+def _row_mean(rows: jax.Array) -> jax.Array:
+    """The mean over the rows of `(R, D)` float32 `rows`, as the product $\\frac{1}{R}
+    \\mathbf{1}^\\top$ `rows` (float32 products, `Precision.HIGHEST`): a product reads its
+    operand as written, while an XLA:CPU reduction fuses its producers and rounds by the
+    kernel it lands in, so its last bit changed with the program around it (a step with or
+    without its report norms)."""
+    weights = jnp.full((rows.shape[0],), 1.0 / rows.shape[0], jnp.float32)
+    return jnp.dot(weights, rows, precision=jax.lax.Precision.HIGHEST)
+
+
 def norm_affine_step(
     optimiser: Any, params: Any, opt_state: Any, error: jax.Array, n_hat: jax.Array,
 ) -> tuple[Any, Any]:
@@ -187,8 +197,8 @@ def norm_affine_step(
     rows_e = widened(error).reshape(-1, width)
     rows_n = widened(n_hat).reshape(-1, width)
     gradients = type(params)(
-        weight=jnp.mean(rows_e * rows_n, axis=0),
-        bias=None if params.bias is None else jnp.mean(rows_e, axis=0),
+        weight=_row_mean(rows_e * rows_n),
+        bias=None if params.bias is None else _row_mean(rows_e),
     )
     if optimiser is None:
         return params, opt_state

@@ -50,11 +50,13 @@ not grow with $T$. Under a row mask the relaxation runs on the real rows' own er
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, cast
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fusedpc.core._error_scale import error_scale
@@ -104,11 +106,24 @@ class RelaxationMetrics(PartMetrics):
 
 
 def _check_steps(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """`inference_steps` as an int (a Python or NumPy integer, not a bool), >= 0."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer) \
+            or value < 0:
         raise ValueError(
-            f"IterativeNetwork: inference_steps must be an integer >= 0, got {value!r}."
+            f"IterativeNetwork: inference_steps must be an integer >= 0, got {value!r} (0 "
+            "relaxes nothing: only the last weight matrix learns)."
         )
-    return value
+    return int(value)
+
+
+def _check_rate(value: Any) -> float:
+    """`inference_rate` as a float (a Python or NumPy real number, not a bool), finite, > 0."""
+    rate = float(value) if isinstance(value, numbers.Real) else math.nan
+    if isinstance(value, bool | np.bool_) or not (math.isfinite(rate) and rate > 0):
+        raise ValueError(
+            f"IterativeNetwork: inference_rate must be a finite number > 0, got {value!r}."
+        )
+    return rate
 
 
 class IterativeNetwork(AbstractPart):
@@ -120,7 +135,10 @@ class IterativeNetwork(AbstractPart):
         network: the `PCNetwork` (architecture, weights, precisions; the precisions stay fixed).
         optimiser: any optax transformation, fed the row-mean energy gradient of the weights;
             `None` freezes the weights (the relaxation still runs and hands its error on).
-        inference_steps: $T \\ge 0$, the relaxation steps (a `lax.scan` inside the step).
+        inference_steps: $T \\ge 0$, the relaxation steps (a `lax.scan` inside the step; a
+            Python or NumPy integer). $T = 0$ relaxes nothing: the hidden activities stay at
+            their predictions, so their errors are 0, only the last weight matrix learns (from
+            the clamped output) and the input error is 0.
         inference_rate: $\\gamma > 0$, the step size of the relaxation's gradient descent.
         schedule: `"simultaneous"` (default: every hidden layer moves at every step, the weights
             learn from the errors after the last) or `"z_il"` (layer $l$ moves only at step
@@ -166,12 +184,7 @@ class IterativeNetwork(AbstractPart):
             )
         resolve_learning("IterativeNetwork", optimiser, "precision_weighted", None, 1.0)
         steps = _check_steps(inference_steps)
-        if not (isinstance(inference_rate, int | float) and inference_rate > 0
-                and math.isfinite(inference_rate)):
-            raise ValueError(
-                f"IterativeNetwork: inference_rate must be a finite number > 0, got "
-                f"{inference_rate!r}."
-            )
+        rate = _check_rate(inference_rate)
         if schedule not in SCHEDULES:
             raise ValueError(
                 f"IterativeNetwork: unknown schedule {schedule!r}; choose one of {SCHEDULES}."
@@ -199,7 +212,7 @@ class IterativeNetwork(AbstractPart):
         self.network = network
         self.optimiser = optimiser
         self.inference_steps = steps
-        self.inference_rate = float(inference_rate)
+        self.inference_rate = rate
         self.schedule = schedule
         self.fixed_prediction = bool(fixed_prediction)
         self.inference_optimiser = inference_optimiser
