@@ -319,6 +319,33 @@ def test_guard_counters_survive_a_checkpoint(tmp_path):
     assert manifest["guard"]["loss_count"] == 3
 
 
+def test_a_checkpoint_of_fusedpc_0_3_without_the_mask_count_loads(tmp_path):
+    # fusedpc 0.3 counted four skip reasons; "invalid mask" (0.4) loads as 0 from its files.
+    import json
+    import zipfile
+
+    tree = _network_tree(optax.inject_hyperparams(optax.sgd)(learning_rate=SANE_RATE))
+    pipeline = fusedpc.FusedPipeline(tree, max_update_ratio=0.5)
+    x, t = normal(0, (6, 4)), normal(1, (6, 3))
+    pipeline.step(x, t)
+    _set_rates(pipeline, lambda key: 1e6)
+    pipeline.step(x, t)
+    pipeline.save(tmp_path / "now.fpc")
+    old = tmp_path / "v0.3.fpc"
+    with zipfile.ZipFile(tmp_path / "now.fpc") as src, zipfile.ZipFile(old, "w") as dst:
+        for name in src.namelist():
+            data = src.read(name)
+            if name == "manifest.json":
+                manifest = json.loads(data)
+                del manifest["guard"]["skips"]["invalid mask"]
+                data = json.dumps(manifest).encode()
+            dst.writestr(name, data)
+    other = fusedpc.FusedPipeline(tree, max_update_ratio=0.5)
+    other.load(old)
+    assert other.skip_counts == pipeline.skip_counts
+    assert other.skip_counts["invalid mask"] == 0 and other.skip_counts["update ratio"] == 1
+
+
 # --------------------------------------------------------------------------- ids on device
 VOCAB = 11
 
