@@ -6,8 +6,9 @@ The layer rule: the subpackages are layers, in order
     core < parts < transformer < execution < training < {cli, bench}
 
 and a module may import only from its own layer or the layers below it, at module level or
-inside a function alike. `fusedpc/_version.py` imports nothing of fusedpc, and any module may
-import it. The top-level façades (`fusedpc/__init__.py`, `frozen.py`, `losses.py`,
+inside a function alike. `fusedpc/_version.py` and `fusedpc/_deprecation.py` (the one helper
+for deprecation warnings) import nothing of fusedpc, and any module may import them. The
+top-level façades (`fusedpc/__init__.py`, `frozen.py`, `losses.py`,
 `transplant.py`, and the deprecated shims `errors.py`, `models.py`, `data.py`) may import
 anything; since they import the training layer, they sit above it: only `cli` and `bench` may
 import them.
@@ -35,6 +36,8 @@ LAYERS = {"core": 0, "parts": 1, "transformer": 2, "execution": 3, "training": 4
 FACADES = {"__init__", "frozen", "losses", "transplant", "errors", "models", "data"}
 FACADE_RANK = 4.5  # above training (the façades import it), below cli and bench
 VERSION_MODULE = "fusedpc._version"
+# below every layer: they import nothing of fusedpc, and any module may import them
+BASE_MODULES = (VERSION_MODULE, "fusedpc._deprecation")
 
 
 def _python(code: str) -> dict:
@@ -200,8 +203,8 @@ def _imports_of(source: str, name: str, *, is_package: bool, filename: str = "<p
 
 
 def _rank(module: str) -> float | None:
-    """The layer of a fusedpc module; None for `fusedpc._version` (below every layer)."""
-    if module == VERSION_MODULE or module.startswith(VERSION_MODULE + "."):
+    """The layer of a fusedpc module; None for `BASE_MODULES` (below every layer)."""
+    if module in BASE_MODULES:
         return None
     parts = module.split(".")
     if len(parts) == 1 or parts[1] in FACADES:
@@ -215,7 +218,7 @@ def _violations() -> list[str]:
         name = _module_name(path)
         where = path.relative_to(ROOT)
         imports = _imported(path)
-        if name == VERSION_MODULE:
+        if name in BASE_MODULES:
             found += [f"{where}:{line}: imports {m} (it may import nothing of fusedpc)"
                       for line, m in imports]
             continue
@@ -234,7 +237,7 @@ def test_every_module_has_a_layer():
         name = _module_name(path)
         parts = name.split(".")
         assert (
-            name in ("fusedpc", VERSION_MODULE)
+            name in ("fusedpc", *BASE_MODULES)
             or (len(parts) >= 2 and (parts[1] in FACADES or parts[1] in LAYERS))
         ), f"{path.relative_to(ROOT)} is in no layer: add its folder to LAYERS here"
 

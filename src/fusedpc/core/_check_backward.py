@@ -25,7 +25,8 @@ class BackwardCheck(float):
     """What `check_backward` finds: a float, the worse of the overall and the per-row figure.
 
     Attributes:
-        overall: $\\max_i |e_i - v_i| / \\max_i |v_i|$ over every entry, $v$ the reference.
+        overall: $\\max(0, \\max_i |e_i - v_i| - \\kappa D) / \\max_i |v_i|$ over every
+            entry, $v$ the reference (`row_error` says what $\\kappa D$ is).
         row_error: the worst row's distance from the reference beyond float32's own
             resolution, $\\max(0, \\max_j |e_{rj} - v_{rj}| - \\kappa D) / \\max(\\max_j
             |v_{rj}|, \\rho \\max_i |v_i|)$, with $D = \\max_{ij} |u_{ij} - v_{ij}|$ the
@@ -81,7 +82,8 @@ def _compare(got: np.ndarray, want: np.ndarray, vjp32: np.ndarray | None = None,
         vjp_rows = float(np.max(vjp_difference / row_scale))
     per_row = np.maximum(row_difference - floor, 0.0) / row_scale
     worst_row = int(np.argmax(per_row))
-    return BackwardCheck(worst / scale, float(per_row[worst_row]), worst_row, reference, vjp_rows)
+    return BackwardCheck(max(worst - floor, 0.0) / scale, float(per_row[worst_row]), worst_row,
+                         reference, vjp_rows)
 
 
 def _float64() -> Any:
@@ -129,17 +131,18 @@ def check_backward(
 
     The error at the output is `error` (default: standard normal, drawn from `key`). With $e$
     the part's input error and $v$ the vector-Jacobian product of its forward at `x`, the
-    answer (a `BackwardCheck`, a float) is the worse of two figures: overall,
-    $\\max_i |e_i - v_i| / \\max_i |v_i|$ (the worst entry relative to the error's scale), and
-    per row, each row's worst entry relative to that row's own scale (at least `ROW_FLOOR` of
-    the largest), so that a backward wrong on one row whose true error is small is caught
-    although the other rows dominate the overall norm. The reference $v$ is the vjp in
-    float64 (the state, `x` and the error widened; `.reference` says `"float32"` for a
-    forward that does not run in float64), and a row counts only its distance beyond
-    `VJP_FACTOR` times the largest distance of float32 `jax.vjp` from it: where float32
-    cannot resolve a row (a true error near zero from cancellation), a correct float32
-    backward is not flagged, and a wrong one is. 0 when they agree exactly; about 1e-7 is
-    float32 rounding. `.overall`, `.row_error`, `.worst_row`, `.reference` and
+    answer (a `BackwardCheck`, a float) is the worse of two figures: overall, the worst entry
+    relative to the error's scale $\\max_i |v_i|$, and per row, each row's worst entry
+    relative to that row's own scale (at least `ROW_FLOOR` of the largest), so that a
+    backward wrong on one row whose true error is small is caught although the other rows
+    dominate the overall norm. The reference $v$ is the vjp in float64 (the state, `x` and
+    the error widened; `.reference` says `"float32"` for a forward that does not run in
+    float64), and both figures count only the distance beyond `VJP_FACTOR` times the largest
+    distance of float32 `jax.vjp` from it: where float32 cannot resolve a row (a true error
+    near zero from cancellation), a correct float32 backward is not flagged, and a wrong one
+    is. 0 when the backward is as close to the reference as float32 autodiff (an
+    autodiff-backed part: exactly 0); against a float32 reference, about 1e-7 is float32
+    rounding. `.overall`, `.row_error`, `.worst_row`, `.reference` and
     `.vjp_row_error` give the parts. `state` defaults to `part.init_state(key)`. Works on any
     part, frozen, learning or composite, and on your own formulas:
     `check_backward(fusedpc.Frozen(fwd, bwd, params), x)`.

@@ -244,32 +244,31 @@ def state_norms_finite(tree: PyTree) -> PyTree:
     rule's judgement of the new state's leaves."""
     measured = Measured()
     slots = measured.add_each(tree)
-    return slot_tree(slots, slot_flags_vector(slots, jnp.isfinite(measured.norms().norms)))
+    return sums_finite(slots, measured.norms().norms)
 
 
 def _slot_leaves(slots: PyTree) -> tuple[list[Any], Any]:
     return jax.tree_util.tree_flatten(slots, is_leaf=lambda x: x is None)
 
 
+def sums_finite(slots: PyTree, totals: jax.Array, flags: jax.Array | None = None) -> PyTree:
+    """For the slots `Measured.add_each` gave, whether each value in `totals` (a sum of
+    squares, or a norm of `Measured.norms`) is finite (`None` slots, integer leaves, are):
+    the tree of flags has the measured tree's structure. The flags are taken as one vector
+    (`sums_finite_vector`, or `flags` when the caller has it already) and handed out as its
+    entries."""
+    leaves, structure = _slot_leaves(slots)
+    if flags is None:
+        flags = sums_finite_vector(slots, totals)
+    return jax.tree_util.tree_unflatten(structure, [flags[i] for i in range(len(leaves))])
+
+
 def sums_finite_vector(slots: PyTree, totals: jax.Array) -> jax.Array:
     """`sums_finite` as one boolean vector, an entry per slot in tree order (`None`: true)."""
-    return slot_flags_vector(slots, jnp.isfinite(jnp.asarray(totals)))
-
-
-def slot_flags_vector(slots: PyTree, flags: jax.Array) -> jax.Array:
-    """One boolean per slot of `slots` (tree order) read off `flags`, a boolean per measured
-    slot (`None` slots, integer leaves: true). One gather."""
-    flags = jnp.asarray(flags)
-    n = int(jnp.shape(flags)[0])
+    totals = jnp.asarray(totals)
+    n = int(jnp.shape(totals)[0])
     index = np.asarray([n if s is None else int(s) for s in _slot_leaves(slots)[0]], np.int32)
-    return jnp.concatenate([flags, jnp.ones((1,), jnp.bool_)])[index]
-
-
-def slot_tree(slots: PyTree, vector: jax.Array) -> PyTree:
-    """The entries of a per-slot `vector` (as `slot_flags_vector` gives) handed out as a tree
-    of the slots' structure."""
-    leaves, structure = _slot_leaves(slots)
-    return jax.tree_util.tree_unflatten(structure, [vector[i] for i in range(len(leaves))])
+    return jnp.isfinite(_with_zero(totals)[index])
 
 
 def _with_zero(*vectors: jax.Array) -> jax.Array:

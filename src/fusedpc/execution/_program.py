@@ -46,8 +46,8 @@ from fusedpc.core._metrics import (
     metric_leaves,
     metrics_finite,
     resolve_pending,
-    slot_flags_vector,
-    slot_tree,
+    sums_finite,
+    sums_finite_vector,
 )
 from fusedpc.core._packed import Packed
 from fusedpc.core._part import AbstractPart, Core, PyTree
@@ -511,8 +511,8 @@ class StepProgram:
         state_slots = measured.add_each(new_state)
         error_slot = measured.add(error)
         norms = measured.norms()
-        state_flags = slot_flags_vector(state_slots, jnp.isfinite(norms.norms))  # read whole
-        state_finite = slot_tree(state_slots, state_flags)
+        state_flags = sums_finite_vector(state_slots, norms.norms)  # the rule reads it whole
+        state_finite = sums_finite(state_slots, norms.norms, state_flags)
         part_metrics = resolve_pending(part_metrics, measured, norms)
         finite_flags = [
             jnp.all(state_flags),
