@@ -10,6 +10,7 @@ import runpy
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -32,6 +33,7 @@ def test_01_build_a_hybrid_tree(capsys):
     assert "final loss" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_02_swap_gpt_slots():
     g = _run("02_swap_gpt_slots.py")
     assert g["gap"] < 1e-4  # all frozen = the reference
@@ -43,6 +45,7 @@ def test_02_swap_gpt_slots():
     assert len(g["full"].report()) == 11  # every slot of a one-block GPT learns
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_03_calibrate_rates():
     g = _run("03_calibrate_rates.py")
     bad = g["BAD"]
@@ -73,6 +76,7 @@ def test_03_calibrate_rates():
     assert g["probe_steps"] == sum(r.steps for r in results)
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_04_convolution(capsys):
     g = _run("04_convolution.py")
     assert g["gap"] < 1e-5  # the transplanted tree computes the equinox model
@@ -85,6 +89,7 @@ def test_04_convolution(capsys):
     assert "held-out accuracy" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_05_iterative_inference(capsys):
     g = _run("05_iterative_inference.py")
     assert g["zil_gap"] < 1e-5  # Z-IL: the backprop gradient

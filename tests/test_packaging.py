@@ -109,6 +109,19 @@ def test_deprecated_attributes_work_and_warn_naming_the_new_place():
         assert any(place in m for m in got["messages"]), (
             f"fusedpc.{name}'s warning does not name {place}: {got['messages']}"
         )
+        _says_a_later_release(got["messages"])
+
+
+def _says_a_later_release(messages: list[str]) -> None:
+    """A deprecation names the release that removes the old name, and it is a later one than
+    this (Reliability III: 0.3.0 said "will be removed in 0.3")."""
+    from fusedpc._deprecation import REMOVED_IN
+
+    def release(text: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in text.split(".")[:2])
+
+    assert release(REMOVED_IN) > release(fusedpc.__version__)
+    assert any(f"will be removed in {REMOVED_IN}." in m for m in messages), messages
 
 
 @pytest.mark.parametrize(("old", "new"), [
@@ -131,6 +144,7 @@ def test_deprecated_modules_import_and_warn_naming_the_new_place(old, new):
     assert any(new in m for m in outcome["messages"]), (
         f"import {old} gave no DeprecationWarning naming {new}: {outcome['messages']}"
     )
+    _says_a_later_release(outcome["messages"])
 
 
 # --------------------------------------------------------------------------- pyproject

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +36,7 @@ def _positive(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_smoke_runs_every_stage_and_prints_one_json_line_each(tmp_path):
     done = _check("--smoke", out=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

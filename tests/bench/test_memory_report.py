@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "memory_report.py"
 VARIANTS = ("backprop", "fused_scan")  # the twin and the scanned step: two processes
 MB_FIELDS = (
@@ -33,6 +35,7 @@ def _cache_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_smoke_rows_have_sane_fields():
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--variants", ",".join(VARIANTS)],

@@ -131,6 +131,7 @@ def test_every_config_setting_has_a_flag():
     assert set(_config.MODEL_SETTINGS) <= flags
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_resume_continues_bit_for_bit(train_cli, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert train_cli("--steps", "40", "--out", str(whole)) == 0
@@ -152,6 +153,7 @@ def test_resume_continues_bit_for_bit(train_cli, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_calibrate_probe_logs_the_rates_and_resumes_bit_for_bit(train_cli, tmp_path, capsys):
     # Resumed at the calibration step itself: the resumed run calibrates there, on the same
     # batches, and goes on exactly as the uninterrupted run.
@@ -211,6 +213,7 @@ def test_calibrate_refuses_what_it_cannot_do_in_one_line(capsys):
     assert "calibrate_at must be >= 0, got -1" in _one_error_line(capsys)
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_a_run_folder_of_fusedpc_0_1_resumes_bit_for_bit(train_cli, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert train_cli("--steps", "10", "--out", str(whole)) == 0
@@ -479,6 +482,7 @@ def test_resume_refuses_an_edited_config_unless_allowed(train_cli, tmp_path, cap
     assert "config change (--allow-config-change): lr 0.003 -> 0.01" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_a_torn_last_log_line_does_not_block_resume(train_cli, tmp_path, capsys):
     whole, split = tmp_path / "whole", tmp_path / "torn"
     assert train_cli("--steps", "10", "--out", str(whole)) == 0
@@ -496,6 +500,7 @@ def test_a_torn_last_log_line_does_not_block_resume(train_cli, tmp_path, capsys)
         fusedpc.training.read_log(log, drop_torn_tail=True)
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_sigterm_saves_and_the_resumed_run_is_bit_identical(cache, tmp_path):
     _runtime.enable_compile_cache(cache)
     config = _config_file.resolve_config(TINY, {"steps": 20})
@@ -863,6 +868,7 @@ def test_architecture_flags_reach_the_model_and_the_parameter_count():
         _config.config_from_settings({"norm": "batch"}).model.validate()
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_iterative_feed_forwards_train_log_their_energies_and_resume(train_cli, tmp_path):
     """`--learning-kind iterative --inference-steps T`: the feed-forwards relax inside the
     step; their report rows in the log carry the energy before and after (lower), the run

@@ -152,6 +152,7 @@ print(json.dumps([check(1, 10, 2), check(2, 6, 4, 64, tiles=2), check(1, 4, 1, 1
 """
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_gpt_step_versus_run_is_bit_identical():
     # XLA's `while-loop-invariant-code-motion` used to hoist the constant causal mask out of
     # `run`'s scan body and compile the softmax kernel differently, so a GPT's `run` drifted

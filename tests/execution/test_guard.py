@@ -224,6 +224,30 @@ def test_large_fixed_precisions_train_as_at_unit_precision(precision):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _raised_after(pipeline, x, t) -> str:
+    pipeline.step(x, t)  # not committed; the next call raises
+    with pytest.raises(fusedpc.execution.NonFiniteStepError) as info:
+        pipeline.step(x, t)
+    return str(info.value)
+
+
+def test_nonfinite_step_error_advises_by_kind_of_part():
+    # Reliability III: a frozen part's formula going non-finite was advised "Lower that
+    # part's learning rate", and a frozen part has none.
+    x, t = normal(0, (6, 4)), normal(1, (6, 3))
+    blows_up = fusedpc.Frozen(lambda params, x: (x, x), lambda params, x, e: e / (x * 0.0))
+    frozen_first = fusedpc.FusedPipeline(
+        fusedpc.Sequential([blows_up, fusedpc.LearningNetwork(
+            fusedpc.PCNetwork([4, 5, 3], "tanh", key=jax.random.key(1)), optax.sgd(0.1))]),
+        nonfinite="raise")
+    message = _raised_after(frozen_first, x, t)
+    assert "'parts[0]'" in message and "frozen (it has no learning rate)" in message, message
+    assert "Lower that part's learning rate" not in message
+    learning = fusedpc.FusedPipeline(_network_tree(optax.sgd(HUGE_RATE)), nonfinite="raise")
+    message = _raised_after(learning, x, 10.0 * t)
+    assert "'parts[1]'" in message and "Lower that part's learning rate" in message, message
+
+
 def test_ignore_commits_an_overflowing_step_but_still_names_its_part():
     pipeline = fusedpc.FusedPipeline(
         _network_tree(optax.sgd(HUGE_RATE)), nonfinite="ignore"

@@ -131,6 +131,7 @@ def mesh_result(workers) -> dict:
 
 
 # --------------------------------------------------------------------------- data parallel
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_sharded_steps_equal_single_device_steps(mesh_result):
     r = mesh_result
     assert r["devices"] == 8 and r["single_devices"] == [0]

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import shapes_and_dtypes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -245,6 +246,7 @@ def _eager_step(part: fusedpc.AbstractPart, x, target) -> tuple[fusedpc.FusedPip
 
 
 # --------------------------------------------------------------------------- (a) frozen: vjp
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 @SETTINGS
 @given(frozen_tree_spec(), seeds)
 def test_frozen_backward_matches_vjp(tree, seed):
@@ -280,6 +282,7 @@ def _flat(tree: Any) -> np.ndarray:
     return np.concatenate(leaves) if leaves else np.zeros(0)
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 @SETTINGS
 @given(learning_tree_spec(), seeds)
 def test_learning_tree_matches_its_backprop_twin(tree, seed):
@@ -330,6 +333,7 @@ def test_learning_tree_matches_its_backprop_twin(tree, seed):
 
 
 # --------------------------------------------------------------------------- (c) structure
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 @SETTINGS
 @given(st.one_of(learning_tree_spec(variety=True), frozen_tree_spec()), seeds)
 def test_step_keeps_the_state_structure(tree, seed):

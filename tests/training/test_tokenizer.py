@@ -82,6 +82,7 @@ def test_resuming_refuses_another_or_a_missing_user_tokeniser():
     assert resolve_tokenizer(config, "", saved, same) is same
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_train_resume_and_load_with_a_user_tokeniser(tmp_path):
     text = data_module.load_text()
     tok = LowerCaseTokenizer.from_text(text)

@@ -3,7 +3,8 @@
 Everything a part author needs to write a part that runs fused lives here: the base class and
 the `Core` of pure functions it compiles to, paths for error messages and reports, the shape
 and id checks, the metrics a backward returns, and `check_backward` (the local backward
-against `jax.vjp`). This layer imports nothing else of fusedpc.
+against `jax.vjp`). This layer imports nothing else of fusedpc but its one helper for
+deprecation warnings (`fusedpc._deprecation`, below every layer).
 """
 
 from fusedpc.core import losses as losses

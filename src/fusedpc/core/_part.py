@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
+
+from fusedpc._deprecation import warn_deprecated
 
 PyTree = Any
 _M = TypeVar("_M", bound=eqx.Module)
@@ -148,11 +149,9 @@ class ExportRecord(eqx.Module):
     """
 
     def __getitem__(self, name: str) -> Any:
-        warnings.warn(
+        warn_deprecated(
             f"{type(self).__name__}[{name!r}] is deprecated: the parameters are a named module "
-            f"now; read {type(self).__name__}.{name} instead.",
-            DeprecationWarning,
-            stacklevel=2,
+            f"now; read {type(self).__name__}.{name} instead"
         )
         if name not in {f.name for f in dataclasses.fields(self)}:
             raise KeyError(name)

@@ -445,6 +445,7 @@ def _iterative_gpt(**settings):
     return part
 
 
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_gpt_run_reports_energies_and_equals_its_steps(tmp_path):
     """Simultaneous relaxation in every feed-forward: `run` of K steps is bit-identical to K
     `step`s; each feed-forward's row carries its energies (after below before: the relaxation
