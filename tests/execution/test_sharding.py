@@ -29,6 +29,10 @@ from fusedpc.execution import _sharding
 sys.path.insert(0, str(Path(__file__).parent))
 from _sharding_worker import build_mlp, flip_byte  # noqa: E402
 
+# every test here waits on emulated-device or multi-process workers (minutes together):
+# end to end, left out of the fast loop (-m 'not slow')
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("_sharding_worker.py")
 # Every subprocess compiles the tiny GPT's step from scratch; LLVM's optimisation passes are a
 # third of that time and change nothing that is checked here (HLO-level sharding, and values
@@ -131,7 +135,6 @@ def mesh_result(workers) -> dict:
 
 
 # --------------------------------------------------------------------------- data parallel
-@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
 def test_sharded_steps_equal_single_device_steps(mesh_result):
     r = mesh_result
     assert r["devices"] == 8 and r["single_devices"] == [0]
