@@ -671,20 +671,23 @@ class Measured:
     def totals(self) -> jax.Array:
         """Every slot's sum of squares, one float32 vector in slot order (it overflows for
         entries from ~1.8e19: `norms` takes the norms without overflow)."""
-        plan = self._plan()
-        squares, first = row_squares(plan.arrays(_float32), plan.kept)
-        return gather_sums(squares, plan.slot_rows(first))
+        layout, rows = self._layout()
+        return gather_sums(layout.sums(), rows)
 
     def norms(self) -> Norms:
         """Every slot's norm, in slot order: the sums of squares of `totals`, a sum that
         overflowed taken again from the same operands rescaled (`overflow_safe_norms`). The
         second sums read the buffers the first read (`RowSquares`), so that they, run only on
         a step whose sums overflowed, make XLA keep nothing in memory the first did not."""
-        plan = self._plan()
-        layout = RowSquares(plan.arrays(_float32), plan.kept)
-        rows = plan.slot_rows(layout.first)
+        layout, rows = self._layout()
         return overflow_safe_norms(gather_sums(layout.sums(), rows),
                                    lambda: gather_sums(layout.sums(rescaled), rows))
+
+    def _layout(self) -> tuple[RowSquares, list[list[int]]]:
+        """The arrays laid out for their row sums, and each slot's rows among them."""
+        plan = self._plan()
+        layout = RowSquares(plan.arrays(), plan.kept)
+        return layout, plan.slot_rows(layout.first)
 
     def _plan(self) -> _Plan:
         """What `totals` measures: each array once (keyed by identity; a difference of two
@@ -712,10 +715,6 @@ class Measured:
         return _Plan(wanted, terms)
 
 
-def _float32(x: Any) -> jax.Array:
-    return jnp.asarray(x).astype(jnp.float32)
-
-
 class _Plan:
     """A `Measured`'s arrays and slots, laid out for `row_squares` (see `Measured._plan`)."""
 
@@ -724,14 +723,14 @@ class _Plan:
         self.keys = list(wanted)
         self.kept = [wanted[k][1] for k in self.keys]
 
-    def arrays(self, widen: Callable[[Any], jax.Array]) -> list[jax.Array]:
-        """The arrays to measure, each operand passed through `widen` (float32) first."""
+    def arrays(self) -> list[jax.Array]:
+        """The arrays to measure, in float32 (a difference taken of its two operands)."""
         arrays = []
         for key in self.keys:
             operands = self.wanted[key][0]
-            x = widen(operands[0])
+            x = jnp.asarray(operands[0]).astype(jnp.float32)
             if key[0] == "difference":
-                x = x - widen(operands[1])
+                x = x - jnp.asarray(operands[1]).astype(jnp.float32)
             arrays.append(x)
         return arrays
 
