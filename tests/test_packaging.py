@@ -1,5 +1,6 @@
 """What the package promises about itself: its version, what `import fusedpc` pulls in, the
-deprecated names that still work, what pyproject.toml declares, and the layer rule.
+removed names that are refused with their new place, the deprecation helper, what
+pyproject.toml declares, and the layer rule.
 
 The layer rule: the subpackages are layers, in order
 
@@ -8,20 +9,21 @@ The layer rule: the subpackages are layers, in order
 and a module may import only from its own layer or the layers below it, at module level or
 inside a function alike. `fusedpc/_version.py` and `fusedpc/_deprecation.py` (the one helper
 for deprecation warnings) import nothing of fusedpc, and any module may import them. The
-top-level façades (`fusedpc/__init__.py`, `frozen.py`, `losses.py`,
-`transplant.py`, and the deprecated shims `errors.py`, `models.py`, `data.py`) may import
-anything; since they import the training layer, they sit above it: only `cli` and `bench` may
+top-level façades (`fusedpc/__init__.py`, `frozen.py`, `losses.py`, `transplant.py`) may
+import anything; since they import the training layer, they sit above it: only `cli` and `bench` may
 import them.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.metadata
 import json
 import subprocess
 import sys
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,7 @@ PACKAGE = ROOT / "src" / "fusedpc"
 
 LAYERS = {"core": 0, "parts": 1, "transformer": 2, "execution": 3, "training": 4, "cli": 5,
           "bench": 5}
-FACADES = {"__init__", "frozen", "losses", "transplant", "errors", "models", "data"}
+FACADES = {"__init__", "frozen", "losses", "transplant"}
 FACADE_RANK = 4.5  # above training (the façades import it), below cli and bench
 VERSION_MODULE = "fusedpc._version"
 # below every layer: they import nothing of fusedpc, and any module may import them
@@ -71,80 +73,89 @@ def test_import_fusedpc_does_not_import_matplotlib():
     assert loaded == [], f"import fusedpc imported {loaded[:5]}"
 
 
-# --------------------------------------------------------------------------- deprecated names
-# old attribute of fusedpc -> (its new module, its attribute there or None for the module itself)
-MOVED = {
+# --------------------------------------------------------------------------- removed names
+# names that moved in 0.2 and were removed in 0.4.0 -> (the module they live in now, the
+# attribute there or None for the module itself)
+REMOVED = {
     "errors": ("fusedpc.losses", None),
     "models": ("fusedpc.transformer.reference", None),
     "data": ("fusedpc.training.data", None),
-    "reuse_host_memory": ("fusedpc.training", "reuse_host_memory"),
+    "FiniteFlag": ("fusedpc.core", "FiniteFlag"),
+    "Named": ("fusedpc.core", "Named"),
+    "PartMetrics": ("fusedpc.core", "PartMetrics"),
+    "Stacked": ("fusedpc.core", "Stacked"),
+    "display_path": ("fusedpc.core", "display_path"),
+    "expect_last_axis": ("fusedpc.core", "expect_last_axis"),
+    "expect_rank": ("fusedpc.core", "expect_rank"),
+    "join_path": ("fusedpc.core", "join_path"),
+    "learning_metrics": ("fusedpc.core", "learning_metrics"),
     "named": ("fusedpc.core", "named"),
+    "replace_fields": ("fusedpc.core", "replace_fields"),
+    "host_memory_env": ("fusedpc.training", "host_memory_env"),
+    "host_memory_reused": ("fusedpc.training", "host_memory_reused"),
+    "reuse_host_memory": ("fusedpc.training", "reuse_host_memory"),
+    "emulate_cpu_devices": ("fusedpc.training", "emulate_cpu_devices"),
 }
 
 
-def test_deprecated_attributes_work_and_warn_naming_the_new_place():
-    # a fresh interpreter: no deprecated module has been imported yet (once `fusedpc.errors` is
-    # imported as a module it is an ordinary attribute of the package)
-    outcome = _python(
-        "import importlib, json, warnings\n"
-        "import fusedpc\n"
-        f"moved = {MOVED!r}\n"
-        "out = {}\n"
-        "for name, (module, attribute) in moved.items():\n"
-        "    with warnings.catch_warnings(record=True) as caught:\n"
-        "        warnings.simplefilter('always')\n"
-        "        value = getattr(fusedpc, name)\n"
-        "    new = importlib.import_module(module)\n"
-        "    same = value is (new if attribute is None else getattr(new, attribute))\n"
-        "    messages = [str(w.message) for w in caught"
-        " if issubclass(w.category, DeprecationWarning)]\n"
-        "    out[name] = {'same': same, 'messages': messages}\n"
-        "print(json.dumps(out))\n"
-    )
-    for name, (module, attribute) in MOVED.items():
-        place = module if attribute is None else f"{module}.{attribute}"
-        got = outcome[name]
-        assert got["same"], f"fusedpc.{name} is not {place}"
-        assert got["messages"], f"fusedpc.{name} gave no DeprecationWarning"
-        assert any(place in m for m in got["messages"]), (
-            f"fusedpc.{name}'s warning does not name {place}: {got['messages']}"
-        )
-        _says_a_later_release(got["messages"])
+@pytest.mark.parametrize("name", sorted(REMOVED))
+def test_a_removed_name_is_refused_naming_its_new_place(name):
+    module, attribute = REMOVED[name]
+    place = module if attribute is None else f"{module}.{attribute}"
+    new = importlib.import_module(module)
+    assert attribute is None or hasattr(new, attribute), f"{place} does not exist"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused, not forwarded with a warning
+        with pytest.raises(AttributeError) as caught:
+            getattr(fusedpc, name)
+    assert str(caught.value) == f"fusedpc.{name} was removed in 0.4.0; use {place}"
+    assert (caught.value.name, caught.value.obj) == (name, fusedpc)
+    assert not hasattr(fusedpc, name)
+    assert name not in dir(fusedpc)
 
 
-def _says_a_later_release(messages: list[str]) -> None:
+def test_the_removed_names_are_only_those():
+    from fusedpc import _REMOVED
+
+    assert set(_REMOVED) == set(REMOVED)
+    assert not set(REMOVED) & set(vars(fusedpc)), "a removed name is defined again"
+
+
+def test_an_unknown_name_is_the_ordinary_attribute_error():
+    with pytest.raises(AttributeError, match="^module 'fusedpc' has no attribute 'nonesuch'$"):
+        fusedpc.nonesuch  # noqa: B018
+
+
+@pytest.mark.parametrize("old", ["fusedpc.errors", "fusedpc.models", "fusedpc.data"])
+def test_the_removed_modules_are_gone(old):
+    assert not (PACKAGE / f"{old.rpartition('.')[2]}.py").exists()
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
+
+
+# --------------------------------------------------------------------------- deprecation helper
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".")[:2])
+
+
+def test_the_deprecation_helper_names_a_later_release():
     """A deprecation names the release that removes the old name, and it is a later one than
     this (Reliability III: 0.3.0 said "will be removed in 0.3")."""
-    from fusedpc._deprecation import REMOVED_IN
+    from fusedpc._deprecation import REMOVED_IN, warn_deprecated
 
-    def release(text: str) -> tuple[int, ...]:
-        return tuple(int(p) for p in text.split(".")[:2])
+    def old_spelling() -> None:
+        warn_deprecated("old_spelling is now new_spelling")
 
-    assert release(REMOVED_IN) > release(fusedpc.__version__)
-    assert any(f"will be removed in {REMOVED_IN}." in m for m in messages), messages
+    def caller() -> None:
+        old_spelling()  # the line the warning names: the one after `def caller`
 
-
-@pytest.mark.parametrize(("old", "new"), [
-    ("fusedpc.errors", "fusedpc.losses"),
-    ("fusedpc.models", "fusedpc.transformer.reference"),
-    ("fusedpc.data", "fusedpc.training.data"),
-])
-def test_deprecated_modules_import_and_warn_naming_the_new_place(old, new):
-    outcome = _python(
-        "import importlib, json, warnings\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        f"    old = importlib.import_module({old!r})\n"
-        f"new = importlib.import_module({new!r})\n"
-        "print(json.dumps({'names': sorted(old.__all__) == sorted(new.__all__) and all("
-        "getattr(old, n) is getattr(new, n) for n in new.__all__), 'messages': ["
-        "str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]}))\n"
-    )
-    assert outcome["names"], f"{old} does not re-export {new}'s names"
-    assert any(new in m for m in outcome["messages"]), (
-        f"import {old} gave no DeprecationWarning naming {new}: {outcome['messages']}"
-    )
-    _says_a_later_release(outcome["messages"])
+    assert _release(REMOVED_IN) > _release(fusedpc.__version__)
+    with pytest.warns(DeprecationWarning) as caught:
+        caller()
+    assert [str(w.message) for w in caught] == [
+        f"old_spelling is now new_spelling; the old name will be removed in {REMOVED_IN}."
+    ]
+    assert (caught[0].filename, caught[0].lineno) == (__file__, caller.__code__.co_firstlineno + 1)
 
 
 # --------------------------------------------------------------------------- pyproject

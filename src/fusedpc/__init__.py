@@ -5,12 +5,11 @@ runtime settings (host memory, device emulation) in `fusedpc.training`; the laye
 `fusedpc.parts`, `fusedpc.transformer` and `fusedpc.execution`.
 """
 
-import importlib as _importlib
+import sys as _sys
 
 from fusedpc import frozen as frozen
 from fusedpc import losses as losses
 from fusedpc import transplant as transplant
-from fusedpc._deprecation import warn_moved as _warn_moved
 from fusedpc._version import __version__ as __version__
 from fusedpc.core import AbstractPart as AbstractPart
 from fusedpc.core import Core as Core
@@ -81,39 +80,33 @@ from fusedpc.transformer import generate as generate
 from fusedpc.transformer import hybrid_from_gpt as hybrid_from_gpt
 from fusedpc.transformer import to_reference as to_reference
 
-# Names that moved in 0.2: they keep working through 0.3, with a DeprecationWarning.
-_MOVED = {
-    # module attributes: old name -> (new module, attribute or None for the module itself)
-    "errors": ("fusedpc.losses", None),
-    "models": ("fusedpc.transformer.reference", None),
-    "data": ("fusedpc.training.data", None),
-    "FiniteFlag": ("fusedpc.core", "FiniteFlag"),
-    "Named": ("fusedpc.core", "Named"),
-    "PartMetrics": ("fusedpc.core", "PartMetrics"),
-    "Stacked": ("fusedpc.core", "Stacked"),
-    "display_path": ("fusedpc.core", "display_path"),
-    "expect_last_axis": ("fusedpc.core", "expect_last_axis"),
-    "expect_rank": ("fusedpc.core", "expect_rank"),
-    "join_path": ("fusedpc.core", "join_path"),
-    "learning_metrics": ("fusedpc.core", "learning_metrics"),
-    "named": ("fusedpc.core", "named"),
-    "replace_fields": ("fusedpc.core", "replace_fields"),
-    "host_memory_env": ("fusedpc.training", "host_memory_env"),
-    "host_memory_reused": ("fusedpc.training", "host_memory_reused"),
-    "reuse_host_memory": ("fusedpc.training", "reuse_host_memory"),
-    "emulate_cpu_devices": ("fusedpc.training", "emulate_cpu_devices"),
+# Names that moved in 0.2, were deprecated through 0.3 and were removed in 0.4.0: old name ->
+# where it lives now. Only for the message of the AttributeError that asking for one raises.
+_REMOVED = {
+    "errors": "fusedpc.losses",
+    "models": "fusedpc.transformer.reference",
+    "data": "fusedpc.training.data",
+    "FiniteFlag": "fusedpc.core.FiniteFlag",
+    "Named": "fusedpc.core.Named",
+    "PartMetrics": "fusedpc.core.PartMetrics",
+    "Stacked": "fusedpc.core.Stacked",
+    "display_path": "fusedpc.core.display_path",
+    "expect_last_axis": "fusedpc.core.expect_last_axis",
+    "expect_rank": "fusedpc.core.expect_rank",
+    "join_path": "fusedpc.core.join_path",
+    "learning_metrics": "fusedpc.core.learning_metrics",
+    "named": "fusedpc.core.named",
+    "replace_fields": "fusedpc.core.replace_fields",
+    "host_memory_env": "fusedpc.training.host_memory_env",
+    "host_memory_reused": "fusedpc.training.host_memory_reused",
+    "reuse_host_memory": "fusedpc.training.reuse_host_memory",
+    "emulate_cpu_devices": "fusedpc.training.emulate_cpu_devices",
 }
 
 
-def __getattr__(name: str):
-    if name not in _MOVED:
-        raise AttributeError(f"module 'fusedpc' has no attribute {name!r}")
-    module_name, attribute = _MOVED[name]
-    new = module_name if attribute is None else f"{module_name}.{attribute}"
-    _warn_moved(f"fusedpc.{name}", new)
-    module = _importlib.import_module(module_name)
-    return module if attribute is None else getattr(module, attribute)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_MOVED])
+def __getattr__(name: str) -> object:
+    if name in _REMOVED:
+        message = f"fusedpc.{name} was removed in 0.4.0; use {_REMOVED[name]}"
+    else:
+        message = f"module 'fusedpc' has no attribute {name!r}"
+    raise AttributeError(message, name=name, obj=_sys.modules[__name__])

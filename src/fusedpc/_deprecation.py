@@ -1,12 +1,12 @@
-"""One helper for fusedpc's deprecations: what moved or was renamed, and the release that
-removes the old name (`REMOVED_IN`, the release after this one: a deprecation says it, and
-that release removes it)."""
+"""One helper for fusedpc's deprecations: `warn_deprecated` says what changed, what to use
+instead, and the release that removes the old spelling (`REMOVED_IN`, the release after this
+one: a deprecation says it, and that release removes it)."""
 
 from __future__ import annotations
 
 import warnings
 
-REMOVED_IN = "0.4"
+REMOVED_IN = "0.5"
 
 
 def warn_deprecated(message: str, stacklevel: int = 2) -> None:
@@ -15,8 +15,3 @@ def warn_deprecated(message: str, stacklevel: int = 2) -> None:
     caller of this function (2: the line that called the caller)."""
     warnings.warn(f"{message}; the old name will be removed in {REMOVED_IN}.",
                   DeprecationWarning, stacklevel=stacklevel + 1)
-
-
-def warn_moved(old: str, new: str, stacklevel: int = 2) -> None:
-    """`old` moved to `new` (a module or an attribute): `warn_deprecated` of that."""
-    warn_deprecated(f"{old} moved to {new}", stacklevel=stacklevel + 1)
