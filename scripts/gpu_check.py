@@ -73,39 +73,20 @@ SMOKE_VARIANTS = ("fused", "backprop")
 PEAK_SIZES = {"gpu": "4096,8192", "smoke": "64,128", "cpu": "1024,2048"}
 """The `--peak` probe's matrix sizes: an H200 needs large products to come near its peak."""
 
-PARITY_TESTS = (
-    "tests/transformer/test_gpt.py::test_all_frozen_gpt_reproduces_reference_logits",
-    "tests/transformer/test_gpt.py::test_every_weight_learning_one_sgd_step_equals_backprop",
-    "tests/transformer/test_gpt.py::test_input_error_is_per_row_gradient_of_the_summed_loss",
-    "tests/transformer/test_gpt.py::test_hundred_sgd_steps_follow_the_backprop_loss_curve",
-    "tests/parts/learning/test_network.py::test_closed_form_derivatives_equal_autodiff",
-    "tests/parts/test_attention.py::test_forward_matches_reference_attention",
-    "tests/parts/test_attention.py::test_backward_matches_vjp",
-    "tests/parts/test_attention.py::test_mixing_backward_matches_vjp_for_each_of_q_k_v",
-    "tests/parts/test_attention.py::test_causal_tiles_equal_the_whole_mixing_and_its_vjp[4]",
-    "tests/parts/test_attention.py::test_learning_slots_take_the_backprop_step",
-    *(
-        f"tests/parts/test_conformance.py::test_backward_matches_vjp[{case}]"
-        for case in ("linear", "attention_fused_learning_qkv", "transformer_block",
-                     "learning_network", "repeat_scanned", "gpt")
-    ),
-    "tests/execution/test_padding.py::test_masked_step_equals_the_masked_mean_twin_on_every_head",
-    "tests/execution/test_global_clip.py::test_every_step_equals_the_twin_with_clip_by_global_norm",
-    "tests/execution/test_global_clip.py::test_a_gpt_with_global_clipping_follows_its_twin[True]",
-    "tests/parts/learning/test_iterative.py::test_z_il_step_equals_a_backprop_step",
-    "tests/parts/learning/test_iterative.py::test_local_updates_follow_jax_grad_of_the_energy",
-)
-"""The parity claims that a backend can break, in float32: the fused step, the hand-derived
-backwards and the learning rules against `jax.vjp` or the backprop twin, and iterative
-inference's Z-IL step and local updates; 32 tests, about 140 s
-on a loaded 2-core CPU, spread over `PARITY_WORKERS` processes on a GPU where pytest-xdist is
-installed. Left out: the tests of one fused form against another (scanned and unrolled, fused
-and unfused), which hold on any backend where these do, and the padding test at XLA's default
-optimisation level, which runs its own process on the CPU."""
+PARITY_MARKER = "gpu_parity"
+PARITY_SELECTION = ("-m", PARITY_MARKER, "tests")
+"""The parity claims that a backend can break, in float32, marked `gpu_parity` where they are
+defined: the fused step, the hand-derived backwards and the learning rules against `jax.vjp`
+or the backprop twin, and iterative inference's Z-IL step and local updates; 32 tests when
+the marker was introduced (tests/bench/test_gpu_check.py checks that it selects them), about
+140 s on a loaded 2-core CPU, spread over `PARITY_WORKERS` processes on a GPU where
+pytest-xdist is installed. Left out: the tests of one fused form against another (scanned and
+unrolled, fused and unfused), which hold on any backend where these do, and the padding test
+at XLA's default optimisation level, which runs its own process on the CPU."""
 PARITY_WORKERS = 6
-SMOKE_PARITY_TESTS = (
-    "tests/parts/learning/test_network.py::test_closed_form_derivatives_equal_autodiff",
-)
+SMOKE_PARITY_SELECTION = ("-m", PARITY_MARKER, "tests/parts/learning/test_network.py")
+"""The smoke's: the one parity test of the learning network's module (its closed-form
+derivatives against autodiff)."""
 
 # Dense peak TFLOP/s by device kind (`jax.Device.device_kind`, matched whole, ignoring case):
 # the vendor's datasheets, NVIDIA's "Tensor Core GPU" datasheet of each part. Those give the
@@ -374,7 +355,7 @@ def parity_stage(check: Check) -> None:
     """Stage 2: the parity tests, in pytest, at `highest` matmul precision."""
     began = time.perf_counter()
     options = check.options
-    tests = list(SMOKE_PARITY_TESTS if options.smoke else PARITY_TESTS)
+    selection = list(SMOKE_PARITY_SELECTION if options.smoke else PARITY_SELECTION)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as where:
         probe, junit = Path(where, "probe"), Path(where, "junit.xml")
         extra = {PRECISION_ENV: "highest", PROBE_ENV: str(probe)}
@@ -389,9 +370,9 @@ def parity_stage(check: Check) -> None:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "scripts"), env["PYTHONPATH"]])
         command = [
             sys.executable, "-m", "pytest", "-p", "gpu_check", "-p", "no:cacheprovider",
-            "-q", f"--junitxml={junit}", *workers, *tests,
+            "-q", "--strict-markers", f"--junitxml={junit}", *workers, *selection,
         ]
-        check.say(f"parity: {len(tests)} selections (cap {options.parity_timeout:.0f} s)")
+        check.say(f"parity: pytest {' '.join(selection)} (cap {options.parity_timeout:.0f} s)")
         code, out, err = run(command, env, check.left(options.parity_timeout))
         counts = junit_counts(junit) if junit.exists() else {}
         seen = [json.loads(p.read_text()) for p in Path(where).glob("probe.*")]
@@ -415,7 +396,7 @@ def parity_stage(check: Check) -> None:
         "device_kind": kinds[0] if len(kinds) == 1 else kinds or None,
         "platform": seen[0]["platform"] if seen else None,
         "test_processes": len(seen),
-        "selected": tests, "wall_s": wall,
+        "selected": " ".join(selection), "wall_s": wall,
     }
     if not ok:
         line["output_tail"] = tail(out + "\n" + err, 15)

@@ -32,6 +32,7 @@ def _assert_parity(result: dict) -> None:
             assert value <= PARITY_TOLERANCE, f"{head} {name}: {value:.2e}"
 
 
+@pytest.mark.gpu_parity
 def test_masked_step_equals_the_masked_mean_twin_on_every_head():
     _assert_parity(padding_parity())
 

@@ -52,6 +52,13 @@ FACTORIES = {
     **TRANSFORMER_CASES,
 }
 CASES = sorted(FACTORIES)
+GPU_PARITY_CASES = (
+    "linear", "attention_fused_learning_qkv", "transformer_block", "learning_network",
+    "repeat_scanned", "gpt",
+)
+"""The matrix-heavy cases whose backward against `jax.vjp` is also a GPU parity test
+(`gpu_parity`: scripts/gpu_check.py runs them on the GPU)."""
+assert set(GPU_PARITY_CASES) <= set(CASES), sorted(set(GPU_PARITY_CASES) - set(CASES))
 
 
 class Reference(NamedTuple):
@@ -153,7 +160,10 @@ def _check_embedding_output_error(name: str, ref: Reference) -> None:
         assert_tree_allclose(jnp.sum(e, axis=0), d_position[:seq], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.gpu_parity) if name in GPU_PARITY_CASES else name
+    for name in CASES
+])
 def test_backward_matches_vjp(name):
     ref = _reference(name)
     if not _is_float(ref.x):

@@ -44,6 +44,7 @@ def _char_batches(n_steps, batch, seq, seed=0):
     return tok.vocab_size, np.asarray(xs, np.int32), np.asarray(ys, np.int32)
 
 
+@pytest.mark.gpu_parity
 def test_all_frozen_gpt_reproduces_reference_logits(key):
     reference = GPT(**TINY, key=key)
     pipeline = fusedpc.FusedPipeline(fusedpc.hybrid_from_gpt(reference), "softmax_cross_entropy")
@@ -51,6 +52,7 @@ def test_all_frozen_gpt_reproduces_reference_logits(key):
     np.testing.assert_allclose(pipeline.predict(ids), reference(ids), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("fused_qkv", [False, True])
 @pytest.mark.parametrize("head_kind", ["gaussian", "categorical"])
 def test_every_weight_learning_one_sgd_step_equals_backprop(key, fused_qkv, head_kind):
@@ -86,6 +88,7 @@ def test_every_weight_learning_one_sgd_step_equals_backprop(key, fused_qkv, head
     assert checked == 2 + 2 * (8 + 4 + 4) + 2 + 2
 
 
+@pytest.mark.gpu_parity
 def test_input_error_is_per_row_gradient_of_the_summed_loss(key):
     config = fusedpc.GPTConfig(**TINY, learn="all")
     part, reference = fusedpc.build_gpt(config, optax.sgd(0.0), key)
@@ -106,6 +109,7 @@ def test_input_error_is_per_row_gradient_of_the_summed_loss(key):
     assert _norm_rel(input_error, want) <= 1e-5
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("learn_norms", [True, False])
 def test_hundred_sgd_steps_follow_the_backprop_loss_curve(key, learn_norms):
     vocab, xs, ys = _char_batches(100, 4, 16)

@@ -133,6 +133,7 @@ def assert_changes_match(fused, reference, old, context):
     ("n_matrices", "activation", "optimiser"),
     [(2, "tanh", "sgd"), (4, "gelu", "adam"), (8, "tanh", "adam")],
 )
+@pytest.mark.gpu_parity
 def test_z_il_step_equals_a_backprop_step(n_matrices, activation, optimiser):
     """With the Z-IL schedule (rate 1, layer l moved at step L - l, T = the hidden layers) one
     step equals jax.grad + the same optimiser to float32 rounding, at 2, 4 and 8 layers of
@@ -245,6 +246,7 @@ def test_fixed_prediction_converges_to_backprop_as_steps_grow():
 
 
 # --------------------------------------------------------------------------- the energy
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("activation", ["tanh", "gelu"])
 def test_local_updates_follow_jax_grad_of_the_energy(activation):
     """Simultaneous relaxation with moving predictions, hidden and output precisions not 1:

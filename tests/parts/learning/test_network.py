@@ -142,6 +142,7 @@ def _derivatives(z):
     return out
 
 
+@pytest.mark.gpu_parity
 def test_closed_form_derivatives_equal_autodiff():
     """g' and g'' (used by the belief sweep and the posterior precision) against jax.grad,
     and g against jax.nn, away from the kinks of relu and elu."""
