@@ -24,8 +24,6 @@ import os
 import statistics
 import time
 
-from _rounds import interleaved_rows
-
 VARIANTS = ("apart", "stacked")
 CONFIGS = {
     "S": {"width": 64, "n_heads": 4, "n_blocks": 2, "ff_width": 256, "max_len": 64, "batch": 16},
@@ -92,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(_worker(args.worker, args.config, args.steps)))
         return 0
+    # here, not above: a worker runs under the --src tree, which predates fusedpc.bench's modules
+    from fusedpc.bench._rounds import interleaved_rows
+
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "PYTHONPATH": args.src}
     rows = interleaved_rows(
         __file__, VARIANTS, args.rounds,

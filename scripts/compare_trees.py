@@ -27,21 +27,18 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = {  # GPTConfig fields and the batch (rows, seq)
-    "S": ({"width": 64, "n_heads": 4, "n_blocks": 2, "ff_width": 256, "max_len": 64}, (16, 64)),
-    "M": ({"width": 256, "n_heads": 8, "n_blocks": 4, "ff_width": 1024, "max_len": 128},
-          (32, 128)),
-}
 
-
-def _pipeline(config: str):
+def _pipeline(sizes: str):
+    """A pipeline and a batch of ids of the config `sizes` (its `[GPTConfig fields, [rows,
+    seq]]` as JSON), with fusedpc's public API only: an exporting process imports another
+    tree, which may predate fusedpc.bench's modules."""
     import jax
     import numpy as np
     import optax
 
     import fusedpc
 
-    fields, (rows, seq) = CONFIGS[config]
+    fields, (rows, seq) = json.loads(sizes)
     gpt = fusedpc.GPTConfig(vocab_size=65, **fields)
     tree, _ = fusedpc.build_gpt(gpt, optax.adam(3e-3), jax.random.key(0))
     pipeline = fusedpc.FusedPipeline(tree, "softmax_cross_entropy")
@@ -49,14 +46,14 @@ def _pipeline(config: str):
     return pipeline, ids
 
 
-def _export(config: str, path: str) -> None:
+def _export(sizes: str, path: str) -> None:
     """In a process importing one tree: write its step, over flat carry leaves, to `path`."""
     import jax
     import numpy as np
 
     import fusedpc
 
-    pipeline, ids = _pipeline(config)
+    pipeline, ids = _pipeline(sizes)
     leaves, structure = jax.tree_util.tree_flatten(pipeline.carry)
 
     def step(leaves, x, target):
@@ -71,11 +68,11 @@ def _export(config: str, path: str) -> None:
     print(json.dumps({"exported": path, "fusedpc": fusedpc.__file__}))
 
 
-def _compare(config: str, paths: dict[str, str], rounds: int, steps: int) -> dict:
+def _compare(config: str, sizes: str, paths: dict[str, str], rounds: int, steps: int) -> dict:
     import jax
     import numpy as np
 
-    _, ids = _pipeline(config)
+    _, ids = _pipeline(sizes)
     programs = {name: jax.export.deserialize(Path(p).read_bytes()) for name, p in paths.items()}
     starts = {}  # each tree's own starting carry, as its export wrote it
     for name, path in paths.items():
@@ -119,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                         help="a source tree to time (exactly two; the ratios are second/first)")
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="S")
+    parser.add_argument("--config", choices=("M", "S"), default="S",
+                        help="a GPT size of fusedpc.bench._configs (default S)")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
-    parser.add_argument("--export", nargs=2, metavar=("CONFIG", "PATH"), help=argparse.SUPPRESS)
+    parser.add_argument("--export", nargs=2, metavar=("SIZES", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.export:
         _export(*args.export)
@@ -130,15 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     trees = dict(item.split("=", 1) for item in args.tree if "=" in item)
     if len(trees) != 2 or len(args.tree) != 2:
         raise SystemExit(f"--tree: expected two NAME=DIR with different names, got {args.tree!r}.")
+    from fusedpc.bench._configs import CONFIGS  # here, not above: see _pipeline
+
+    sizes = json.dumps(CONFIGS[args.config])
     with tempfile.TemporaryDirectory() as folder:
         paths = {}
         for name, src in trees.items():
             paths[name] = os.path.join(folder, f"{name}.bin")
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(
                 p for p in (str(Path(src).resolve()), os.environ.get("PYTHONPATH")) if p)}
-            subprocess.run([sys.executable, __file__, "--export", args.config, paths[name]],
+            subprocess.run([sys.executable, __file__, "--export", sizes, paths[name]],
                            env=env, check=True)
-        print(json.dumps(_compare(args.config, paths, args.rounds, args.steps)))
+        print(json.dumps(_compare(args.config, sizes, paths, args.rounds, args.steps)))
     return 0
 
 

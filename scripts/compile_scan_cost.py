@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 
-from _rounds import interleaved_rows
+from fusedpc.bench._rounds import interleaved_rows
 
 VARIANTS = ("step", "run", "scan_no_outputs")
 

@@ -6,8 +6,9 @@ values as vectors"). This script compiles the fused step of config S or M (or a 
 `--smoke`) and counts the fusion instructions of the optimised HLO and the distinct fused
 computations among them: two fusions count as one when their computations are the same once
 instruction names and metadata are set aside (the same operations, shapes, constants and
-data flow). It prints one JSON line per source tree; the count is a property of the program,
-not a timing, so one process per tree is enough.
+data flow; `fusedpc.bench._kernels`). It prints one JSON line per source tree: each tree's
+step is compiled in a process that imports that tree and counted in this one. The count is a
+property of the program, not a timing, so one process per tree is enough.
 
     python scripts/count_kernels.py                                   # S, this tree
     python scripts/count_kernels.py --config M
@@ -19,74 +20,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
+import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # when loaded from elsewhere (tests)
-from compare_trees import CONFIGS as PAIRED_CONFIGS  # noqa: E402  (S and M, as compared there)
 
-CONFIGS = {  # GPTConfig fields and the batch (rows, seq)
-    "smoke": ({"width": 16, "n_heads": 2, "n_blocks": 2, "ff_width": 32, "max_len": 8}, (4, 8)),
-    **PAIRED_CONFIGS,
-}
-
-_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
-_FUSION = re.compile(r"= .*? fusion\(.*calls=%([\w.\-]+)")
-_NAME = re.compile(r"%[\w.\-]+")
-_DROPPED = (re.compile(r",?\s*metadata=\{[^}]*\}"), re.compile(r",?\s*backend_config=.*$"))
-
-
-def computations(hlo: str) -> dict[str, list[str]]:
-    """The HLO text's computations: name -> its instruction lines (without the braces)."""
-    found: dict[str, list[str]] = {}
-    current = None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header and not line.startswith(" "):
-            current = header.group(1)
-            found[current] = []
-        elif current is not None and line.strip() not in ("", "}"):
-            found[current].append(line.strip())
-    return found
-
-
-def normalised(lines: list[str]) -> str:
-    """A computation's text with metadata dropped and its names replaced, in order of first
-    appearance, by numbers: equal for computations that differ only in names."""
-    numbers: dict[str, str] = {}
-
-    def number(match: re.Match) -> str:
-        return numbers.setdefault(match.group(0), f"%{len(numbers)}")
-
-    out = []
-    for line in lines:
-        for pattern in _DROPPED:
-            line = pattern.sub("", line)
-        out.append(_NAME.sub(number, line))
-    return "\n".join(out)
-
-
-def count(hlo: str) -> dict[str, int]:
-    """Fusion instructions in `hlo` and distinct fused computations among them."""
-    comps = computations(hlo)
-    called = [m.group(1) for lines in comps.values() for line in lines
-              if (m := _FUSION.search(line))]
-    distinct = Counter(normalised(comps.get(name, [])) for name in called)
-    return {"fusions": len(called), "distinct_fusions": len(distinct)}
-
-
-def _measure(config: str) -> dict:
+def _compile(name: str, fields: dict, rows: int, seq: int) -> tuple[dict, str]:
+    """Compile the fused step of a GPT of `fields` and return its row (without the counts) and
+    the optimised HLO text. fusedpc's public API only: a worker runs under another tree's src
+    (`--tree`), which may predate fusedpc.bench's modules, and this process counts."""
     import jax
     import numpy as np
     import optax
 
     import fusedpc
 
-    fields, (rows, seq) = CONFIGS[config]
     gpt = fusedpc.GPTConfig(vocab_size=65, **fields)
     tree, _ = fusedpc.build_gpt(gpt, optax.adam(3e-3), jax.random.key(0))
     pipeline = fusedpc.FusedPipeline(tree, "softmax_cross_entropy")
@@ -95,8 +45,16 @@ def _measure(config: str) -> dict:
     began = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - began
-    return {"config": config, **count(compiled.as_text()), "compile_s": round(seconds, 2),
-            "fusedpc": fusedpc.__file__, "jax": jax.__version__}
+    row = {"config": name, "compile_s": round(seconds, 2), "fusedpc": fusedpc.__file__,
+           "jax": jax.__version__}
+    return row, compiled.as_text()
+
+
+def _counted(row: dict, hlo: str) -> dict:
+    from fusedpc.bench._kernels import count_fusions
+
+    return {"config": row["config"], **count_fusions(hlo),
+            **{k: v for k, v in row.items() if k != "config"}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,26 +63,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT (tests)")
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                         help="a source tree to count, in its own process (repeatable)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    # a worker: the config's sizes as JSON and where to write the compiled program's text
+    parser.add_argument("--worker", nargs=2, metavar=("SIZES", "HLO"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     config = "smoke" if args.smoke else args.config
-    if args.worker or not args.tree:
-        print(json.dumps(_measure(config)), flush=True)
+    if args.worker:
+        sizes, hlo_path = args.worker
+        fields, (rows, seq) = json.loads(sizes)
+        row, hlo = _compile(config, fields, rows, seq)
+        Path(hlo_path).write_text(hlo)
+        print(json.dumps(row), flush=True)
+        return 0
+    from fusedpc.bench._configs import CONFIGS  # here, not above: see _compile
+
+    fields, (rows, seq) = CONFIGS[config]
+    if not args.tree:
+        print(json.dumps(_counted(*_compile(config, fields, rows, seq))), flush=True)
         return 0
     bad = [item for item in args.tree if "=" not in item or not item.split("=", 1)[0]]
     if bad:
         raise SystemExit(f"--tree: expected NAME=DIR, got {bad!r}.")
-    for item in args.tree:
-        name, src = item.split("=", 1)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [os.path.abspath(src), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        command = [sys.executable, __file__, "--worker", "--config", args.config]
-        done = subprocess.run(command + (["--smoke"] if args.smoke else []), env=env,
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise SystemExit(f"--tree {name}: the worker failed:\n{done.stderr[-2000:]}")
-        row = json.loads(done.stdout.strip().splitlines()[-1])
-        print(json.dumps({"tree": name, **row}), flush=True)
+    sizes = json.dumps([fields, [rows, seq]])
+    with tempfile.TemporaryDirectory() as folder:
+        for item in args.tree:
+            name, src = item.split("=", 1)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                [os.path.abspath(src), *filter(None, [os.environ.get("PYTHONPATH")])])}
+            hlo_path = os.path.join(folder, "step.hlo")
+            command = [sys.executable, __file__, "--worker", sizes, hlo_path,
+                       "--config", args.config]
+            done = subprocess.run(command + (["--smoke"] if args.smoke else []), env=env,
+                                  capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise SystemExit(f"--tree {name}: the worker failed:\n{done.stderr[-2000:]}")
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            counted = _counted(row, Path(hlo_path).read_text())
+            print(json.dumps({"tree": name, **counted}), flush=True)
     return 0
 
 

@@ -25,8 +25,6 @@ import statistics
 import sys
 import time
 
-from _rounds import interleaved_rows
-
 VARIANTS = ("one_trace", "two_traces")
 
 
@@ -91,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                       args.blocks, args.width)
         print(json.dumps({**row, "variant": args.worker}))
         return 0
+    # here, not above: a worker runs under another tree's src (--tree, --previous-src), which
+    # may predate fusedpc.bench's modules
+    from fusedpc.bench._rounds import interleaved_rows
+
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
     bad = [item for item in args.tree
            if "=" not in item or item.split("=", 1)[0] in (*VARIANTS, "previous", "")]

@@ -32,12 +32,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # when loaded from elsewhere (tests)
-from count_kernels import CONFIGS  # noqa: E402  (smoke, S and M: GPTConfig fields, (rows, seq))
+from fusedpc.bench._configs import CONFIGS  # smoke, S and M: GPTConfig fields, (rows, seq)
 
 VOCAB = 65
 

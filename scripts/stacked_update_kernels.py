@@ -25,11 +25,8 @@ computations, counted as `count_kernels.py` counts them.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # when loaded from elsewhere (tests)
-from count_kernels import count  # noqa: E402
+from fusedpc.bench._kernels import count_fusions
 
 SHAPES = [(64, 64), (64,), (256, 64), (64, 256), (256,)]
 BLOCKS = 2
@@ -96,7 +93,7 @@ def main() -> int:
     for name, (function, args) in programs().items():
         compiled = jax.jit(function, donate_argnums=(1, 2)).lower(*args).compile()
         print(json.dumps({"form": name, "blocks": BLOCKS, "shapes": len(SHAPES),
-                          **count(compiled.as_text()), "jax": jax.__version__}), flush=True)
+                          **count_fusions(compiled.as_text()), "jax": jax.__version__}), flush=True)
     return 0
 
 

@@ -1,17 +1,15 @@
-"""scripts/count_kernels.py: its counting on hand-written HLO, and `--smoke` in a subprocess."""
+"""scripts/count_kernels.py: its counting (`fusedpc.bench._kernels`) on hand-written HLO, and
+`--smoke` in a subprocess, in this process and in a worker per tree."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from helpers import load_script
+from fusedpc.bench._kernels import count_fusions
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "count_kernels.py"
-
-
-def _module():
-    return load_script("count_kernels")
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "count_kernels.py"
 
 
 # Three fusions: the first two compute the same thing under other names and metadata, the
@@ -49,7 +47,7 @@ ENTRY %main.5 (x.1: f32[4]) -> f32[4] {
 
 
 def test_fusions_equal_but_for_names_count_once_and_constants_tell_apart():
-    counts = _module().count(_HLO)
+    counts = count_fusions(_HLO)
     assert counts == {"fusions": 3, "distinct_fusions": 2}
 
 
@@ -57,7 +55,7 @@ def test_a_compiled_program_counts_its_repeated_kernels_once():
     import jax
     import jax.numpy as jnp
 
-    count = _module().count
+    count = count_fusions
 
     def same(x, y):  # the same elementwise work on two inputs: two kernels, one program
         return jnp.tanh(x * 3.0 + 1.0), jnp.tanh(y * 3.0 + 1.0)
@@ -80,3 +78,14 @@ def test_smoke_prints_the_counts():
     assert row["config"] == "smoke"
     assert 0 < row["distinct_fusions"] <= row["fusions"]
     assert row["compile_s"] > 0
+
+
+def test_a_tree_is_compiled_in_its_own_process_and_counted_in_this_one():
+    # the worker imports the tree's src alone (which may predate fusedpc.bench._kernels)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--tree", f"now={ROOT / 'src'}"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["tree"] == "now" and row["config"] == "smoke"
+    assert 0 < row["distinct_fusions"] <= row["fusions"]
+    assert row["fusedpc"].startswith(str(ROOT / "src"))
