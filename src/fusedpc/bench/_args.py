@@ -233,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
         "unfused (one jit per part) and the backprop twin, side by side. Prints one JSON "
         "object per line.",
     )
+    for add in (_model_flags, _training_flags, _variant_flags, _process_flags, _numeric_flags):
+        add(p, d)  # in this order: the order of --help
+    return p
+
+
+def _model_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
+    """The GPT's sizes and the batch's."""
     p.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size (default 65)")
     p.add_argument("--width", type=int, default=d.width, help="model width (default 64)")
     p.add_argument("--heads", type=int, default=d.heads, help="attention heads (default 4)")
@@ -243,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ff-width", type=int, default=None, help="feed-forward width (4 x width)")
     p.add_argument("--seq", type=int, default=d.seq, help="sequence length (default 64)")
     p.add_argument("--batch", type=int, default=d.batch, help="batch size (default 16)")
+
+
+def _training_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
+    """Steps timed, and what learns with which optimiser."""
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per variant (>= 1)")
     p.add_argument(
         "--warmup", type=int, default=d.warmup, help="untimed steps after the first call"
@@ -257,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimiser, as fusedpc.training.make_optimiser (default adam)",
     )
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate (default 1e-3)")
+
+
+def _variant_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
+    """What is measured: the variants, the probes, the profile."""
     p.add_argument(
         "--variants", type=_variant_list, default=None,
         help="comma-separated variants: fused,fused_run,unfused,backprop (the default), "
@@ -288,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-donate-probe", action="store_true",
         help="skip the donation probe (compiled memory with and without donation)",
     )
+
+
+def _process_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
+    """Where the measurements run: devices, processes, the host allocator."""
     p.add_argument(
         "--devices", type=int, default=d.devices,
         help="emulated CPU devices (JAX_NUM_CPU_DEVICES for the workers); batch sharded over them",
@@ -308,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of unmapped and faulted in again), system (the C library's defaults) or auto "
         "(reuse when the step's estimated temporaries reach 128 MiB; the default)",
     )
+
+
+def _numeric_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
+    """The seed, the compute dtype, the iterative variants' relaxation, and the hidden flag of
+    a measuring process."""
     p.add_argument("--seed", type=int, default=d.seed, help="PRNG seed of weights and batches")
     p.add_argument(
         "--dtype", type=lambda s: "bfloat16" if s == "bf16" else s, default=d.dtype,
@@ -324,7 +348,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # A measuring process: reads its task and the parent's BenchArgs from stdin (_workers).
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return p
 
 
 def parse_args(

@@ -29,9 +29,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"fusedpc: error: {message}\n")
 
 
+_Commands = argparse._SubParsersAction  # what add_subparsers returns; each helper adds one
+
+
 def build_parser() -> _Parser:
+    """`fusedpc` and its sub-commands, each added by its own helper below; `commands` on the
+    result maps a sub-command's name to its parser."""
     from fusedpc._version import __version__
-    from fusedpc.training._config import SETTINGS  # no JAX backend is started by this import
 
     parser = _Parser(
         prog="fusedpc",
@@ -39,7 +43,16 @@ def build_parser() -> _Parser:
     )
     parser.add_argument("--version", action="version", version=f"fusedpc {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser.commands = {
+        name: add(commands)
+        for name, add in (("train", _train), ("report", _report), ("sample", _sample),
+                          ("eval", _eval), ("bench", _bench))
+    }
+    return parser
 
+
+def _train(commands: _Commands) -> _Parser:
+    """`fusedpc train`: its own flags, then one per `TrainConfig` setting (`_config_flags`)."""
     train = commands.add_parser(
         "train",
         usage="fusedpc train [--config FILE] [--out DIR] [--resume DIR] [--steps N] [options]",
@@ -58,6 +71,30 @@ def build_parser() -> _Parser:
     train.add_argument("--allow-config-change", action="store_true",
                        help="with --resume: accept a DIR/config.toml edited since the "
                        "checkpoint (the change is logged); refused without it")
+    _config_flags(train)
+    train.add_argument("--device", choices=PLATFORMS, default=None,
+                       help="the JAX platform to run on (default: JAX's choice, the GPU or "
+                       "TPU when one is installed; JAX_PLATFORMS also works)")
+    train.add_argument("--distributed", action="store_true", default=None,
+                       help="join a multi-process run (jax.distributed.initialize())")
+    train.add_argument("--compile-cache", metavar="DIR",
+                       help="JAX compilation cache folder, reused by later runs (default "
+                       "$FUSEDPC_CACHE or ~/.cache/fusedpc/jax); 'none' leaves JAX's own "
+                       "setting")
+    train.add_argument("--host-memory", choices=HOST_MEMORY_MODES, default="auto",
+                       help="reuse: keep freed host memory for the next step "
+                       "(fusedpc.training.reuse_host_memory); system: the C library's defaults; "
+                       "auto "
+                       "(default): reuse when a step's estimated temporaries reach 128 MiB")
+    train.set_defaults(handler=train_command)
+    return train
+
+
+def _config_flags(train: argparse.ArgumentParser) -> None:
+    """One flag per `CONFIG_FLAGS` entry, typed by its `TrainConfig` default; the old
+    spellings (`ALIASES`) and the short ones (`SPELLINGS`) set the same setting."""
+    from fusedpc.training._config import SETTINGS  # no JAX backend is started by this import
+
     old_spelling = {new: old for old, new in ALIASES.items()}
     for flag, text in CONFIG_FLAGS:
         field = setting_name(flag)
@@ -77,22 +114,10 @@ def build_parser() -> _Parser:
                            # a bool flag alone means true: --tensorboard, --fused-qkv
                            nargs="?" if kind is parse_bool else None,
                            const=True if kind is parse_bool else None)
-    train.add_argument("--device", choices=PLATFORMS, default=None,
-                       help="the JAX platform to run on (default: JAX's choice, the GPU or "
-                       "TPU when one is installed; JAX_PLATFORMS also works)")
-    train.add_argument("--distributed", action="store_true", default=None,
-                       help="join a multi-process run (jax.distributed.initialize())")
-    train.add_argument("--compile-cache", metavar="DIR",
-                       help="JAX compilation cache folder, reused by later runs (default "
-                       "$FUSEDPC_CACHE or ~/.cache/fusedpc/jax); 'none' leaves JAX's own "
-                       "setting")
-    train.add_argument("--host-memory", choices=HOST_MEMORY_MODES, default="auto",
-                       help="reuse: keep freed host memory for the next step "
-                       "(fusedpc.training.reuse_host_memory); system: the C library's defaults; "
-                       "auto "
-                       "(default): reuse when a step's estimated temporaries reach 128 MiB")
-    train.set_defaults(handler=train_command)
 
+
+def _report(commands: _Commands) -> _Parser:
+    """`fusedpc report LOG`."""
     report = commands.add_parser(
         "report",
         usage="fusedpc report LOG [--out DIR] [--target X] [--fraction X]",
@@ -111,6 +136,11 @@ def build_parser() -> _Parser:
     report.add_argument("--fraction", type=float, default=1.0, metavar="X",
                         help="use only the last FRACTION of the logged steps (default 1)")
     report.set_defaults(handler=report_command)
+    return report
+
+
+def _sample(commands: _Commands) -> _Parser:
+    """`fusedpc sample RUN`."""
     sample = commands.add_parser(
         "sample",
         usage="fusedpc sample RUN [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] "
@@ -130,6 +160,11 @@ def build_parser() -> _Parser:
     sample.add_argument("--seed", type=int, default=0, metavar="S",
                         help="seed of the sampling (default 0)")
     sample.set_defaults(handler=sample_command)
+    return sample
+
+
+def _eval(commands: _Commands) -> _Parser:
+    """`fusedpc eval RUN`."""
     evaluate = commands.add_parser(
         "eval",
         usage="fusedpc eval RUN [--text PATH] [--batches N]",
@@ -145,13 +180,12 @@ def build_parser() -> _Parser:
                           help="batches of the run's batch size and length (default: the "
                           "run's eval_batches)")
     evaluate.set_defaults(handler=eval_command)
-    bench = commands.add_parser(
+    return evaluate
+
+
+def _bench(commands: _Commands) -> _Parser:
+    """`fusedpc bench`: its flags are `fusedpc.bench`'s own (`fusedpc.cli.main` hands them on)."""
+    return commands.add_parser(
         "bench", add_help=False,
         help="benchmark fused, fused-run, unfused and backprop steps (fusedpc bench --help)",
     )
-    parser.commands = {
-        "train": train, "report": report, "sample": sample, "eval": evaluate, "bench": bench
-    }
-    return parser
-
-
