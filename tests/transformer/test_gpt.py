@@ -11,13 +11,8 @@ import pytest
 
 import fusedpc
 from fusedpc.training import data
-from fusedpc.transformer.reference import (
-    GPT,
-    _layer_norm,
-    _linear,
-    cross_entropy,
-    make_backprop_step,
-)
+from fusedpc.transformer._reference_maths import layer_norm, linear
+from fusedpc.transformer.reference import GPT, cross_entropy, make_backprop_step
 
 TINY = {"vocab_size": 11, "width": 16, "n_heads": 4, "n_blocks": 2, "ff_width": 32, "max_len": 8}
 
@@ -100,7 +95,7 @@ def test_input_error_is_per_row_gradient_of_the_summed_loss(key):
         h = embedded
         for block in reference.blocks:
             h = block(h)
-        logits = _linear(reference.head, _layer_norm(reference.norm_f, h))
+        logits = linear(reference.head, layer_norm(reference.norm_f, h))
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
@@ -160,7 +155,7 @@ def test_scanned_gpt_equals_unrolled(key):
 
 
 def test_scan_auto_unrolls_few_blocks_and_scans_many(key):
-    from fusedpc.transformer._build import AUTO_UNROLL_BLOCKS
+    from fusedpc.transformer._stacking import AUTO_UNROLL_BLOCKS
 
     def blocks(n_blocks, **kw):
         config = fusedpc.GPTConfig(**{**TINY, "n_blocks": n_blocks}, **kw)

@@ -2,14 +2,9 @@
 (`fusedpc.transformer.reference`, with its backprop step) and generation."""
 
 from fusedpc.transformer import reference as reference
-from fusedpc.transformer._build import AUTO_UNROLL_BLOCKS as AUTO_UNROLL_BLOCKS
-from fusedpc.transformer._build import LEARNING_PRESETS as LEARNING_PRESETS
-from fusedpc.transformer._build import SLOTS as SLOTS
 from fusedpc.transformer._build import GPTConfig as GPTConfig
-from fusedpc.transformer._build import blocks_form as blocks_form
 from fusedpc.transformer._build import build_gpt as build_gpt
-from fusedpc.transformer._build import hybrid_from_gpt as hybrid_from_gpt
-from fusedpc.transformer._build import to_reference as to_reference
+from fusedpc.transformer._export import to_reference as to_reference
 from fusedpc.transformer._generate import generate as generate
 from fusedpc.transformer._gpt import BlockCache as BlockCache
 from fusedpc.transformer._gpt import Blocks as Blocks
@@ -18,3 +13,8 @@ from fusedpc.transformer._gpt import GPTCache as GPTCache
 from fusedpc.transformer._gpt import GPTPart as GPTPart
 from fusedpc.transformer._gpt import GPTState as GPTState
 from fusedpc.transformer._gpt import TransformerBlock as TransformerBlock
+from fusedpc.transformer._hybrid import hybrid_from_gpt as hybrid_from_gpt
+from fusedpc.transformer._slots import LEARNING_PRESETS as LEARNING_PRESETS
+from fusedpc.transformer._slots import SLOTS as SLOTS
+from fusedpc.transformer._stacking import AUTO_UNROLL_BLOCKS as AUTO_UNROLL_BLOCKS
+from fusedpc.transformer._stacking import blocks_form as blocks_form

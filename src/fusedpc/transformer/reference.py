@@ -14,27 +14,26 @@ All linear maps and layer normalisations act on the last axis of a ``(B, T, W)``
 through batched matrix products (``x @ weight.T + bias``) rather than through ``jax.vmap``
 over rows; the parameters are nevertheless stored in ordinary ``eqx.nn.Linear`` and
 ``eqx.nn.LayerNorm`` modules so that the model can be inspected, mapped over and compared
-with the per-position Equinox semantics.
+with the per-position Equinox semantics. That maths lives in
+`fusedpc.transformer._reference_maths`, and the training step (`cross_entropy`,
+`make_backprop_step`) in `fusedpc.transformer._backprop`; every name of `__all__` is
+importable from here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import optax
 from jaxtyping import Float, Int
 
-from fusedpc.core._precision import resolve_compute_dtype
-from fusedpc.core.losses import softmax_cross_entropy
+from fusedpc.transformer._backprop import cross_entropy, make_backprop_step
+from fusedpc.transformer._reference_maths import linear, normalise, rotate
 
 Array = jax.Array
-PyTree = Any
 
 __all__ = [
     "FEED_FORWARDS",
@@ -63,88 +62,15 @@ FEED_FORWARDS = ("gelu", "swiglu")
 """`GPT(feed_forward=...)`: ``"gelu"`` (`FeedForward`) or ``"swiglu"`` (`SwiGLU`)."""
 
 
-def _linear(lin: eqx.nn.Linear, x: Array) -> Array:
-    """Apply ``lin`` over the last axis of ``x``: ``y = x W^T + b``."""
-    y = x @ lin.weight.T
-    if lin.bias is not None:
-        y = y + lin.bias
-    return y
-
-
 def _check_option(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"GPT: {name} must be one of {allowed}, got {value!r}.")
-
-
-def _rms_norm(norm: eqx.nn.RMSNorm, x: Array) -> Array:
-    """Apply ``norm`` over the last axis of ``x``, matching ``eqx.nn.RMSNorm`` exactly.
-
-    ``y = x / sqrt(mean(x^2) + eps) * gamma + beta`` (``gamma``, ``beta`` when present), the
-    mean taken over the last axis, in at least float32.
-    """
-    if norm.shape != x.shape[-1:]:
-        raise ValueError(
-            f"RMSNorm of shape {norm.shape} cannot act on an array of shape {x.shape}"
-        )
-    dtype = x.dtype
-    if jnp.finfo(dtype).bits < 32:  # statistics in at least float32
-        x = x.astype(jnp.float32)
-    out = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm.eps)
-    if norm.weight is not None:
-        out = norm.weight.astype(out.dtype) * out
-    if norm.bias is not None:
-        out = out + norm.bias.astype(out.dtype)
-    return out.astype(dtype)
-
-
-def _norm(norm: eqx.nn.LayerNorm | eqx.nn.RMSNorm, x: Array) -> Array:
-    """`_layer_norm` or `_rms_norm`, by the type of ``norm``."""
-    if isinstance(norm, eqx.nn.RMSNorm):
-        return _rms_norm(norm, x)
-    return _layer_norm(norm, x)
 
 
 def _make_norm(norm: str, width: int) -> eqx.nn.LayerNorm | eqx.nn.RMSNorm:
     if norm == "rms":
         return eqx.nn.RMSNorm(width, use_bias=False)
     return eqx.nn.LayerNorm(width)
-
-
-def _rotate(x: Array, base: float) -> Array:
-    """Rotary embedding of heads ``(B, H, T, d)``: at position ``t`` the features ``i`` and
-    ``i + d/2`` (``i < d/2``) turn by ``theta = t * base**(-2 i / d)``::
-
-        x_i' = x_i cos(theta) - x_{i+d/2} sin(theta)
-        x_{i+d/2}' = x_i sin(theta) + x_{i+d/2} cos(theta)
-    """
-    t, d = x.shape[-2], x.shape[-1]
-    half = d // 2
-    frequencies = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * frequencies[None, :]  # (T, d/2)
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    first, second = x[..., :half], x[..., half:]
-    return jnp.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
-
-
-def _layer_norm(ln: eqx.nn.LayerNorm, x: Array) -> Array:
-    """Apply ``ln`` over the last axis of ``x``, matching ``eqx.nn.LayerNorm`` exactly.
-
-    ``y = (x - mu) / sqrt(sigma^2 + eps) * gamma + beta``, where ``mu`` and the biased
-    variance ``sigma^2`` are taken over the last axis.
-    """
-    if ln.shape != x.shape[-1:]:
-        raise ValueError(f"LayerNorm of shape {ln.shape} cannot act on an array of shape {x.shape}")
-    dtype = x.dtype
-    if jnp.finfo(dtype).bits < 32:  # statistics in at least float32
-        x = x.astype(jnp.float32)
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    variance = jnp.maximum(0.0, jnp.var(x, axis=-1, keepdims=True))
-    out = (x - mean) * jax.lax.rsqrt(variance + ln.eps)
-    if ln.weight is not None:
-        out = ln.weight.astype(out.dtype) * out
-    if ln.bias is not None:
-        out = out + ln.bias.astype(out.dtype)
-    return out.astype(dtype)
 
 
 class CausalSelfAttention(eqx.Module):
@@ -163,7 +89,7 @@ class CausalSelfAttention(eqx.Module):
 
     The heads are concatenated back in the same order to ``(B, T, W)`` and the output is
     ``c Wo^T + bo``. With ``positions="rotary"`` each head's ``q`` and ``k`` are rotated by
-    their positions before the scores (`_rotate`, base ``rotary_base``; ``d`` even); with
+    their positions before the scores (`rotate`, base ``rotary_base``; ``d`` even); with
     ``positions=None`` (the default) the attention adds no positions.
     """
 
@@ -214,11 +140,11 @@ class CausalSelfAttention(eqx.Module):
         def split_heads(y: Array) -> Array:  # (B, T, W) -> (B, H, T, d)
             return y.reshape(b, t, h, d).transpose(0, 2, 1, 3)
 
-        q = split_heads(_linear(self.wq, x))
-        k = split_heads(_linear(self.wk, x))
-        v = split_heads(_linear(self.wv, x))
+        q = split_heads(linear(self.wq, x))
+        k = split_heads(linear(self.wk, x))
+        v = split_heads(linear(self.wv, x))
         if self.positions == "rotary":
-            q, k = _rotate(q, self.rotary_base), _rotate(k, self.rotary_base)
+            q, k = rotate(q, self.rotary_base), rotate(k, self.rotary_base)
         # scores and softmax in float32 whatever the dtype of q and k
         scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(d)
@@ -227,7 +153,7 @@ class CausalSelfAttention(eqx.Module):
         attn = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bhts,bhsd->bhtd", attn, v)
         ctx = ctx.transpose(0, 2, 1, 3).reshape(b, t, w)
-        return _linear(self.wo, ctx)
+        return linear(self.wo, ctx)
 
 
 class FeedForward(eqx.Module):
@@ -248,7 +174,7 @@ class FeedForward(eqx.Module):
     def __call__(
         self, x: Float[Array, "*rows width"]  # noqa: F722 - a jaxtyping shape
     ) -> Float[Array, "*rows width"]:  # noqa: F722 - a jaxtyping shape
-        return _linear(self.fc2, jax.nn.gelu(_linear(self.fc1, x), approximate=True))
+        return linear(self.fc2, jax.nn.gelu(linear(self.fc1, x), approximate=True))
 
 
 class SwiGLU(eqx.Module):
@@ -271,7 +197,7 @@ class SwiGLU(eqx.Module):
     def __call__(
         self, x: Float[Array, "*rows width"]  # noqa: F722 - a jaxtyping shape
     ) -> Float[Array, "*rows width"]:  # noqa: F722 - a jaxtyping shape
-        return _linear(self.down, jax.nn.silu(_linear(self.gate, x)) * _linear(self.up, x))
+        return linear(self.down, jax.nn.silu(linear(self.gate, x)) * linear(self.up, x))
 
 
 class Block(eqx.Module):
@@ -316,8 +242,8 @@ class Block(eqx.Module):
     def __call__(
         self, h: Float[Array, "batch seq width"]  # noqa: F722 - a jaxtyping shape
     ) -> Float[Array, "batch seq width"]:  # noqa: F722 - a jaxtyping shape
-        h = h + self.attn(_norm(self.n1, h))
-        return h + self.ff(_norm(self.n2, h))
+        h = h + self.attn(normalise(self.n1, h))
+        return h + self.ff(normalise(self.n2, h))
 
 
 class GPT(eqx.Module):
@@ -439,113 +365,7 @@ class GPT(eqx.Module):
             h = h + self.pos_emb.weight[:seq]
         for block in self.blocks:
             h = block(h)
-        return _linear(self.head, _norm(self.norm_f, h))
-
-
-def cross_entropy(
-    logits: Float[Array, "*positions vocab"],  # noqa: F722 - a jaxtyping shape
-    targets: Int[Array, "*positions"],  # noqa: F722 - a jaxtyping shape
-) -> Float[Array, ""]:  # noqa: F722 - a jaxtyping shape
-    """Mean softmax cross-entropy over all positions.
-
-    ``loss = mean_n [ logsumexp(z_n) - z_n[y_n] ]`` for logits ``z`` of shape ``(..., V)``
-    and integer targets ``y`` of shape ``(...)``, computed in at least float32. The one
-    implementation is the fused pipeline's, `fusedpc.core.losses.softmax_cross_entropy.loss`,
-    so the backprop twin and the fused step report the same number.
-    """
-    if jnp.finfo(logits.dtype).bits < 32:
-        logits = logits.astype(jnp.float32)
-    return softmax_cross_entropy.loss(logits, targets)  # type: ignore[misc]  # it has a loss
-
-
-_NORM_TYPES = (eqx.nn.LayerNorm, eqx.nn.RMSNorm)
-
-
-def _layer_norm_spec(model: PyTree) -> PyTree:
-    """Bool pytree matching ``model``: True at the affine parameters of every LayerNorm and
-    RMSNorm."""
-
-    def label(node):
-        frozen = isinstance(node, _NORM_TYPES)
-        return jax.tree.map(lambda _: frozen, node)
-
-    return jax.tree.map(label, model, is_leaf=lambda x: isinstance(x, _NORM_TYPES))
-
-
-def _is_none(x) -> bool:
-    return x is None
-
-
-def make_backprop_step(
-    optimiser: optax.GradientTransformation,
-    *,
-    frozen_layer_norm: bool = False,
-    compute_dtype: Any = None,
-) -> Callable[[GPT, PyTree, Array, Array], tuple[GPT, PyTree, Array]]:
-    """Build a compiled training step ``step(model, opt_state, ids, targets)``.
-
-    One step computes ``loss = cross_entropy(model(ids), targets)`` and its gradient by
-    backpropagation, transforms the gradient with `optimiser` and applies it, returning
-    ``(model, opt_state, loss)``.
-
-    `opt_state` is ``optimiser.init(eqx.filter(model, eqx.is_array))`` (in both modes).
-    The buffers of the `model` and `opt_state` passed in are donated to the step, so they
-    must not be used again afterwards; `ids` and `targets` (shape ``(B, T)``) are not
-    donated.
-
-    Any `GPT` works, whatever its ``norm``, ``positions`` and ``feed_forward``.
-
-    With ``frozen_layer_norm=True`` every norm's affine parameter (``gamma`` and ``beta``
-    of ``n1``, ``n2`` and ``norm_f``, LayerNorms or RMSNorms) is left exactly as it was,
-    whatever the optimiser (including Adam with weight decay): its gradient is zeroed before the
-    optimiser sees it, so moments and global-norm clipping ignore it, and its update is
-    dropped, so the parameter is returned bit-for-bit unchanged.
-
-    With ``compute_dtype="bfloat16"`` the forward runs on a bfloat16 copy of the model
-    (LayerNorm statistics, attention scores, softmax and the loss in float32) and the
-    gradient flows back through the cast to the float32 model, which the optimiser updates
-    in float32: the mixed-precision twin of a fused step with the same ``compute_dtype``.
-    """
-    dtype = resolve_compute_dtype(compute_dtype, "make_backprop_step: compute_dtype")
-
-    def cast(m):
-        if dtype is None:
-            return m
-        return jax.tree.map(
-            lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, m
-        )
-
-    @eqx.filter_jit(donate="all-except-first")
-    def _step(batch, model, opt_state):
-        ids, targets = batch
-
-        def loss_fn(m):
-            return cross_entropy(cast(m)(ids), targets)
-
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-        if frozen_layer_norm:
-            spec = _layer_norm_spec(model)
-            grads = jax.tree.map(
-                lambda g, f: None if g is None else (jnp.zeros_like(g) if f else g),
-                grads,
-                spec,
-                is_leaf=_is_none,
-            )
-        # Optax mixes Python floats with int32 step counts (Adam's bias correction), which
-        # fails under `jax_numpy_dtype_promotion="strict"`; run it under standard promotion.
-        with jax.numpy_dtype_promotion("standard"):
-            params = eqx.filter(model, eqx.is_array)
-            updates, opt_state = optimiser.update(grads, opt_state, params)
-        if frozen_layer_norm:
-            updates = jax.tree.map(lambda u, f: None if f else u, updates, spec, is_leaf=_is_none)
-        model = eqx.apply_updates(model, updates)
-        return model, opt_state, loss
-
-    def step(model, opt_state, ids, targets):
-        # Inputs travel in the first (non-donated) argument; model and opt_state are donated.
-        return _step((ids, targets), model, opt_state)
-
-    return step
+        return linear(self.head, normalise(self.norm_f, h))
 
 
 def count_flops(
