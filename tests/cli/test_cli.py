@@ -29,7 +29,7 @@ from jax.experimental.compilation_cache import compilation_cache
 import fusedpc
 import fusedpc.training
 from fusedpc.cli import _flags, main
-from fusedpc.training import _config, _config_file, _loop, _runtime, _setup
+from fusedpc.training import _config, _config_file, _loop, _runtime, _settings, _setup
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -126,9 +126,9 @@ def test_train_prints_a_sample_and_a_summary(tiny_run):
 
 def test_every_config_setting_has_a_flag():
     flags = {_flags.setting_name(flag) for flag, _ in _flags.CONFIG_FLAGS} | {"distributed"}
-    assert flags == set(_config.SETTINGS)
+    assert flags == set(_settings.SETTINGS)
     assert {f.name for f in dataclasses.fields(_config.TrainConfig)} - {"model"} <= flags
-    assert set(_config.MODEL_SETTINGS) <= flags
+    assert set(_settings.MODEL_SETTINGS) <= flags
 
 
 @pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
@@ -213,23 +213,19 @@ def test_calibrate_refuses_what_it_cannot_do_in_one_line(capsys):
     assert "calibrate_at must be >= 0, got -1" in _one_error_line(capsys)
 
 
-@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
-def test_a_run_folder_of_fusedpc_0_1_resumes_bit_for_bit(train_cli, tmp_path):
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    assert train_cli("--steps", "10", "--out", str(whole)) == 0
-    assert train_cli("--steps", "5", "--out", str(split)) == 0
-    text = (split / "config.toml").read_text()  # as fusedpc 0.1 wrote it: heads, blocks, seq
-    for old, new in _config.RENAMED.items():
-        text = text.replace(f"\n{new} = ", f"\n{old} = ")
-    text = "\n".join(line for line in text.splitlines()
-                     if line.split(" = ")[0] not in ("fused_qkv", "hidden_precision", "scan"))
-    (split / "config.toml").write_text(text)
-    with pytest.warns(DeprecationWarning, match="'heads' is now 'n_heads'"):
-        assert main(["train", "--resume", str(split), "--steps", "10"]) == 0
-    assert [(r["step"], r["loss"]) for r in _records(split, "train")] == [
-        (r["step"], r["loss"]) for r in _records(whole, "train")
-    ]
-    assert "n_heads = 2" in (split / "config.toml").read_text()  # rewritten in the new names
+def test_a_run_folder_of_fusedpc_0_1_is_refused_naming_the_new_names(tmp_path, capsys):
+    # the 0.1 names (heads, blocks, seq), deprecated in 0.2, were removed in 0.4.0
+    old = tmp_path / "old"
+    old.mkdir()
+    text = _config_file.config_to_toml(_config_file.resolve_config(TINY))
+    for name, new in _settings.RENAMED.items():  # as fusedpc 0.1 wrote it
+        text = text.replace(f"\n{new} = ", f"\n{name} = ")
+    (old / "config.toml").write_text(text)
+    (old / "checkpoint.fpc").write_bytes(b"")
+    assert main(["train", "--resume", str(old), "--steps", "10"]) == 1
+    line = _one_error_line(capsys)
+    assert "'heads' is now 'n_heads'" in line and "'seq' is now 'max_len'" in line
+    assert "removed in 0.4.0" in line
 
 
 def test_interrupt_saves_a_checkpoint_and_the_files(cache, tmp_path):
@@ -835,14 +831,14 @@ def test_dtype_and_mixing_flags_reach_the_model_config():
     assert args.compute_dtype == "bf16" and args.attention_mixing == "dot_product_attention"
     spelled = build_parser().parse_args(["train", "--compute-dtype", "bfloat16"])
     assert spelled.compute_dtype == "bfloat16"
-    config = _config.config_from_settings({"compute_dtype": "bf16"})
+    config = _settings.config_from_settings({"compute_dtype": "bf16"})
     assert config.model.compute_dtype == "bf16"
     part, _ = fusedpc.build_gpt(dataclasses.replace(config.model, vocab_size=11, width=16,
                                                     n_heads=2, ff_width=16, max_len=8),
                                 None, jax.random.key(0))
     assert part.compute_dtype == "bfloat16"
     with pytest.raises(ValueError, match="GPTConfig.compute_dtype"):
-        _config.config_from_settings({"compute_dtype": "float16"}).model.validate()
+        _settings.config_from_settings({"compute_dtype": "float16"}).model.validate()
 
 
 def test_architecture_flags_reach_the_model_and_the_parameter_count():
@@ -853,9 +849,9 @@ def test_architecture_flags_reach_the_model_and_the_parameter_count():
     )
     assert (args.norm, args.positions, args.feed_forward) == ("rms", "rotary", "swiglu")
     settings = {"norm": "rms", "positions": "rotary", "feed_forward": "swiglu"}
-    config = _config.config_from_settings(settings)
+    config = _settings.config_from_settings(settings)
     assert all(getattr(config.model, k) == v for k, v in settings.items())
-    assert _config.config_settings(config)["positions"] == "rotary"  # written to config.toml
+    assert _settings.config_settings(config)["positions"] == "rotary"  # written to config.toml
     model = dataclasses.replace(config.model, vocab_size=11, width=16, n_heads=2, ff_width=16,
                                 max_len=8)
     part, reference = fusedpc.build_gpt(model, None, jax.random.key(0))
@@ -865,7 +861,7 @@ def test_architecture_flags_reach_the_model_and_the_parameter_count():
         config.model, width=16, n_heads=2, ff_width=16, max_len=8))
     assert _setup.parameter_count(small, 11) == counted  # no position table, three FF matrices
     with pytest.raises(ValueError, match="GPTConfig.norm must be one of"):
-        _config.config_from_settings({"norm": "batch"}).model.validate()
+        _settings.config_from_settings({"norm": "batch"}).model.validate()
 
 
 @pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'

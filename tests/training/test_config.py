@@ -1,4 +1,5 @@
-"""`TrainConfig`, its flat settings and its TOML file (`_config`, `_config_file`)."""
+"""`TrainConfig`, its flat settings and its TOML file (`_config`, `_settings`,
+`_config_file`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fusedpc.training import _config, _config_file
+from fusedpc.training import _config, _config_file, _settings
 
 
 def test_defaults_validate_and_round_trip_through_toml(tmp_path):
@@ -18,7 +19,7 @@ def test_defaults_validate_and_round_trip_through_toml(tmp_path):
                               temperature=0.0)
     path = tmp_path / "config.toml"
     path.write_text(_config_file.config_to_toml(odd))
-    assert _config_file.read_config_file(path) == _config.config_settings(odd)
+    assert _config_file.read_config_file(path) == _settings.config_settings(odd)
     assert _config_file.resolve_config(path) == odd
 
 

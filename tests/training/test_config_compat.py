@@ -1,5 +1,6 @@
 """The setting names of fusedpc 0.1 (`heads`, `blocks`, `seq` and the model's settings at
-the top of `TrainConfig`) keep working for one release, with a `DeprecationWarning`."""
+the top of `TrainConfig`), deprecated in 0.2, were removed in 0.4.0: each is refused with a
+message that names it (and, for a flat setting, its new name)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 
 from fusedpc.cli._parser import build_parser
 from fusedpc.training import TrainConfig
-from fusedpc.training._config import RENAMED, config_settings
 from fusedpc.training._config_file import config_to_toml, resolve_config, resume_config
+from fusedpc.training._settings import RENAMED, config_settings
+from fusedpc.training._start_point import _changed_settings
 from fusedpc.transformer import GPTConfig
 
 # configs/tiny.toml as fusedpc 0.1 shipped it.
@@ -63,48 +65,61 @@ def test_the_model_part_is_a_gpt_config_with_gpt_config_names():
     assert not set(RENAMED) & set(settings)
 
 
-def test_old_keys_in_a_config_file_load_with_a_warning(tmp_path):
+def test_old_keys_in_a_config_file_are_refused_naming_the_new_names(tmp_path):
     path = tmp_path / "tiny.toml"
     path.write_text(OLD_TINY)
-    with pytest.warns(DeprecationWarning, match="'heads' is now 'n_heads'"):
-        old = resolve_config(path)
-    assert old == resolve_config(_tiny())
+    with pytest.raises(ValueError, match="'heads' is now 'n_heads'") as caught:
+        resolve_config(path)
+    message = str(caught.value)
+    assert str(path) in message
+    assert "'blocks' is now 'n_blocks'" in message and "'seq' is now 'max_len'" in message
+    assert "the old names were removed in 0.4.0" in message
 
 
-def test_an_old_run_folder_resumes(tmp_path):
-    config = resolve_config(_tiny())
-    (tmp_path / "config.toml").write_text(old_config_toml(config))
+def test_an_old_run_folder_is_refused(tmp_path):
+    (tmp_path / "config.toml").write_text(old_config_toml(resolve_config(_tiny())))
     (tmp_path / "checkpoint.fpc").write_bytes(b"")
-    with pytest.warns(DeprecationWarning, match="'seq' is now 'max_len'"):
-        resumed = resume_config(tmp_path, {"steps": 60})
-    assert resumed == dataclasses.replace(config, steps=60)
-    with pytest.warns(DeprecationWarning):
-        with pytest.raises(ValueError, match="cannot change n_heads"):
-            resume_config(tmp_path, {"heads": 4, "steps": 60})
+    with pytest.raises(ValueError, match="'seq' is now 'max_len'"):
+        resume_config(tmp_path, {"steps": 60})
 
 
-def test_old_and_new_name_of_one_setting_clash(tmp_path):
+def test_an_old_checkpoints_config_is_refused():
+    # a checkpoint of fusedpc 0.1 records its config in the old names too
+    saved = {**config_settings(TrainConfig()), "heads": 4}
+    del saved["n_heads"]
+    with pytest.raises(ValueError, match="the checkpoint's config: .*'heads' is now 'n_heads'"):
+        _changed_settings(saved, TrainConfig())
+
+
+def test_old_and_new_name_of_one_setting_are_refused_as_the_old_name(tmp_path):
     path = tmp_path / "both.toml"
     path.write_text("[model]\nheads = 2\nn_heads = 2\n")
-    with pytest.raises(ValueError, match="'heads' and 'n_heads' name the same setting"):
+    with pytest.raises(ValueError, match="'heads' is now 'n_heads'"):
         resolve_config(path)
 
 
-def test_old_overrides_keywords_and_attributes_warn():
-    with pytest.warns(DeprecationWarning, match="'blocks' is now 'n_blocks'"):
-        config = resolve_config(None, {"blocks": 3, "width": 32})
-    assert config.model.n_blocks == 3 and config.model.width == 32
-    with pytest.warns(DeprecationWarning, match=r"TrainConfig\(width=, heads=, seq=\)"):
-        old = TrainConfig(width=32, heads=8, seq=16, steps=5)
-    assert old.model == GPTConfig(width=32, n_heads=8, max_len=16) and old.steps == 5
-    for name, value in (("heads", 8), ("blocks", 2), ("seq", 16), ("width", 32),
-                        ("learn", "all"), ("window", 0), ("head_kind", "gaussian")):
-        with pytest.warns(DeprecationWarning, match=f"TrainConfig.{name} is now"):
-            assert getattr(old, name) == value
-    with pytest.warns(DeprecationWarning):
-        synaptic = TrainConfig(learning_kind="synaptic_uncertainty", window=100)
-    assert synaptic.model.learning_kwargs == {"window": 100}
-    synaptic.validate()
+def test_old_overrides_are_refused_naming_the_new_names(tmp_path):
+    with pytest.raises(ValueError, match="settings: .*'blocks' is now 'n_blocks'"):
+        resolve_config(None, {"blocks": 3, "width": 32})
+    (tmp_path / "config.toml").write_text(config_to_toml(resolve_config(_tiny())))
+    (tmp_path / "checkpoint.fpc").write_bytes(b"")
+    with pytest.raises(ValueError, match="settings: .*'heads' is now 'n_heads'"):
+        resume_config(tmp_path, {"heads": 4, "steps": 60})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("width", 32), ("heads", 8), ("blocks", 2), ("seq", 16), ("ff_width", 64),
+    ("learn", "all"), ("learning_kind", "synaptic_uncertainty"), ("window", 100),
+    ("head_kind", "gaussian"),
+])
+def test_old_keywords_and_attributes_are_refused(name, value):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused, not forwarded with a warning
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
+            TrainConfig(**{name: value})
+        with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
+            getattr(TrainConfig(), name)
+    assert name not in dir(TrainConfig)
 
 
 def test_new_code_raises_no_deprecation_warning(tmp_path):

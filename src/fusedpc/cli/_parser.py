@@ -93,7 +93,7 @@ def _train(commands: _Commands) -> _Parser:
 def _config_flags(train: argparse.ArgumentParser) -> None:
     """One flag per `CONFIG_FLAGS` entry, typed by its `TrainConfig` default; the old
     spellings (`ALIASES`) and the short ones (`SPELLINGS`) set the same setting."""
-    from fusedpc.training._config import SETTINGS  # no JAX backend is started by this import
+    from fusedpc.training._settings import SETTINGS  # no JAX backend is started by this import
 
     old_spelling = {new: old for old, new in ALIASES.items()}
     for flag, text in CONFIG_FLAGS:

@@ -9,10 +9,10 @@ import os
 import tomllib
 from typing import Any
 
-from fusedpc.training._config import (
+from fusedpc.training._config import TrainConfig
+from fusedpc.training._settings import (
     RENAMED,
     SECTIONS,
-    TrainConfig,
     coerce_settings,
     config_from_settings,
     config_settings,
@@ -112,7 +112,7 @@ def resolve_config(
     Args:
         file: a TOML config file (`read_config_file`), or None.
         overrides: flat settings named as the file's keys (`{"n_heads": 8, "steps": 500}`);
-            the names of fusedpc 0.1 (`heads`, `blocks`, `seq`) with a `DeprecationWarning`.
+            the names of fusedpc 0.1 (`heads`, `blocks`, `seq`) are refused, naming the new.
 
     Returns:
         The `TrainConfig`.
@@ -137,7 +137,8 @@ def resume_config(
 
     Changing anything outside `RESUMABLE` (the model, the data, the optimiser, the seed, the
     batch) would make the continuation differ from an uninterrupted run, and is refused.
-    A `config.toml` written by fusedpc 0.1 (keys `heads`, `blocks`, `seq`) is read too.
+    A `config.toml` written by fusedpc 0.1 (keys `heads`, `blocks`, `seq`) is refused, with a
+    message that names the new keys.
 
     Args:
         run_dir: the folder of a run `fusedpc train` wrote.

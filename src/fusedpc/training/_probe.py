@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -228,6 +228,23 @@ def probe_rates(
             arguments are out of range (each named in the message).
     """
     before = rate_multipliers(pipeline.state, group)
+    groups = _checked_groups(before, groups)
+    _check_arguments(factors, global_factors, global_reach, significance, score_fraction)
+    per_call = _checked_per_call(xs, ys, per_call)
+    trials = _Trials(pipeline, xs, ys, per_call, score, score_fraction, significance, group)
+    try:
+        baseline = trials.run(before, "baseline")
+        base = _Base(dict(before), baseline, "baseline")
+        if len(groups) > 1 and global_factors:
+            base = _global_stage(trials, base, groups, global_factors, global_reach)
+        multipliers, final = _per_group_stage(trials, base, groups, factors)
+    finally:
+        trials.restore()
+    return ProbeResult(before, multipliers, baseline, final, tuple(trials.trials), trials.ran)
+
+
+def _checked_groups(before: dict[str, float], groups: Sequence[str] | None) -> tuple[str, ...]:
+    """The groups to probe (every group with a multiplier by default), checked."""
     if not before:
         raise ValueError(
             "probe_rates: the pipeline's optimisers carry no rate multiplier; build them with "
@@ -245,6 +262,16 @@ def probe_rates(
         raise ValueError(
             f"groups: {unknown} carry no rate multiplier; the state has {list(before)}."
         )
+    return groups
+
+
+def _check_arguments(
+    factors: Sequence[float],
+    global_factors: Sequence[float],
+    global_reach: float,
+    significance: float,
+    score_fraction: float,
+) -> None:
     for name, values in (("factors", factors), ("global_factors", global_factors)):
         if any(not (f > 0 and math.isfinite(f)) or f == 1.0 for f in values) or (
             name == "factors" and not values
@@ -258,6 +285,10 @@ def probe_rates(
         raise ValueError(f"significance: expected a number >= 0, got {significance!r}.")
     if not 0.0 < score_fraction <= 1.0:
         raise ValueError(f"score_fraction: expected a number in (0, 1], got {score_fraction!r}.")
+
+
+def _checked_per_call(xs: Any, ys: Any, per_call: int | None) -> int:
+    """The steps per call of the trials (all P by default), with `xs` and `ys` checked."""
     steps = int(np.shape(xs)[0])
     if steps < 1 or int(np.shape(ys)[0]) != steps:
         raise ValueError(
@@ -267,90 +298,148 @@ def probe_rates(
     per_call = steps if per_call is None else int(per_call)
     if per_call < 1:
         raise ValueError(f"per_call: expected a positive number of steps, got {per_call!r}.")
+    return per_call
 
-    saved = jax.tree_util.tree_map(jnp.copy, pipeline.state)
-    counters = jax.tree_util.tree_map(jnp.copy, pipeline.counters)
-    trials: list[ProbeTrial] = []
-    tails: dict[str, np.ndarray | None] = {}
-    own: dict[str, np.ndarray | None] = {}  # each trial's own step losses (its tail)
-    ran = [0]
 
-    def trial(multipliers: dict[str, float], label: str) -> float:
-        pipeline.set_state(set_rate_multipliers(saved, multipliers, group), counters=counters)
+class _Trials:
+    """The trials of one `probe_rates` call: each runs the P batches from the state saved at
+    the start, at its multipliers, and is scored; `restore` puts the saved state back."""
+
+    def __init__(
+        self,
+        pipeline: Any,
+        xs: Any,
+        ys: Any,
+        per_call: int,
+        score: Callable[[Any], Any] | None,
+        score_fraction: float,
+        significance: float,
+        group: Callable[[str], str | None],
+    ) -> None:
+        self.pipeline, self.xs, self.ys = pipeline, xs, ys
+        self.steps, self.per_call = int(np.shape(xs)[0]), per_call
+        self.score, self.score_fraction = score, score_fraction
+        self.significance, self.group = significance, group
+        self.saved = jax.tree_util.tree_map(jnp.copy, pipeline.state)
+        self.counters = jax.tree_util.tree_map(jnp.copy, pipeline.counters)
+        self.trials: list[ProbeTrial] = []
+        self.tails: dict[str, np.ndarray | None] = {}  # each trial's scored losses
+        self.own: dict[str, np.ndarray | None] = {}  # each trial's own step losses (its tail)
+        self.ran = 0  # training steps run in all
+
+    def run(self, multipliers: dict[str, float], label: str) -> float:
+        """Run the trial `label` at `multipliers` and return its score (infinity for a
+        failed trial)."""
+        pipeline = self.pipeline
+        pipeline.set_state(
+            set_rate_multipliers(self.saved, multipliers, self.group), counters=self.counters
+        )
         losses, committed = [], []
-        for start in range(0, steps, per_call):
-            k = min(per_call, steps - start)
+        for start in range(0, self.steps, self.per_call):
+            k = min(self.per_call, self.steps - start)
             _, _, metrics = pipeline.run(
-                xs[start:start + k], ys[start:start + k], keep_outputs=False,
+                self.xs[start:start + k], self.ys[start:start + k], keep_outputs=False,
                 report_at=np.zeros(k, bool),
             )
             losses.append(np.asarray(metrics.loss))
             committed.append(np.asarray(metrics.committed))
-        ran[0] += steps
-        scored = _tail(np.concatenate(losses), np.concatenate(committed), score_fraction)
-        own[label] = scored
-        if score is not None and scored is not None:
-            held = np.ravel(np.asarray(score(pipeline), np.float64))
+        self.ran += self.steps
+        scored = _tail(np.concatenate(losses), np.concatenate(committed), self.score_fraction)
+        self.own[label] = scored
+        if self.score is not None and scored is not None:
+            held = np.ravel(np.asarray(self.score(pipeline), np.float64))
             scored = held if np.all(np.isfinite(held)) else None
-        tails[label] = scored
+        self.tails[label] = scored
         value = math.inf if scored is None else float(np.mean(scored))
-        trials.append(ProbeTrial(dict(multipliers), value, label))
+        self.trials.append(ProbeTrial(dict(multipliers), value, label))
         return value
 
-    def counted(value: float, label: str, reference: str, slower: bool = False) -> float:
+    def counted(self, value: float, label: str, reference: str, slower: bool = False) -> float:
         """`value`, or infinity when it is not lower than `reference`'s beyond the noise;
         a `slower` trial (a rate lowered) must also have learnt more: its own step losses
         lower on average than the reference's."""
-        lower = lower_by_more_than_noise(tails[label], tails[reference], significance)
+        lower = lower_by_more_than_noise(
+            self.tails[label], self.tails[reference], self.significance
+        )
         if lower and slower:
-            lower = lower_by_more_than_noise(own[label], own[reference], 0.0)
+            lower = lower_by_more_than_noise(self.own[label], self.own[reference], 0.0)
         return value if lower else math.inf
 
-    try:
-        baseline = trial(before, "baseline")
-        base, base_score, base_label = dict(before), baseline, "baseline"
-        if len(groups) > 1 and global_factors:
-            overall = {
-                f: counted(
-                    trial({**before, **{g: before[g] * f for g in groups}}, f"all x{f:g}"),
-                    f"all x{f:g}", "baseline", slower=f < 1,
-                )
-                for f in global_factors
-            }
-            f_all = choose_factors(baseline, {"all": overall}).get("all", 1.0)
-            if f_all != 1.0:
-                base = {**before, **{g: before[g] * f_all for g in groups}}
-                base_score, base_label = overall[f_all], f"all x{f_all:g}"
-                # the ladder: on in the same direction while each rung beats the last
-                step, total = f_all, f_all
-                while max(total * step, 1 / (total * step)) <= global_reach * (1 + 1e-9):
-                    total *= step
-                    label = f"all x{total:g}"
-                    rates = {**before, **{g: before[g] * total for g in groups}}
-                    rung = trial(rates, label)
-                    if not math.isfinite(counted(rung, label, base_label, slower=step < 1)):
-                        break
-                    base, base_score, base_label = rates, rung, label
-        scores: dict[str, dict[float, float]] = {}
-        for g in groups:
-            scores[g] = {
-                f: counted(trial({**base, g: base[g] * f}, f"{g} x{f:g}"), f"{g} x{f:g}",
-                           base_label, slower=f < 1)
-                for f in factors
-            }
-        chosen = choose_factors(base_score, scores)
-        multipliers, final = base, base_score
-        if len(chosen) == 1:
-            (g, f), = chosen.items()
-            multipliers, final = {**base, g: base[g] * f}, scores[g][f]
-        elif chosen:
-            combined = {**base, **{g: base[g] * f for g, f in chosen.items()}}
-            combined_score = trial(combined, "combined")
-            if counted(combined_score, "combined", base_label) < base_score:
-                multipliers, final = combined, combined_score
-            else:  # the choices do not add up: keep the best single change
-                g, f = min(chosen.items(), key=lambda item: scores[item[0]][item[1]])
-                multipliers, final = {**base, g: base[g] * f}, scores[g][f]
-    finally:
-        pipeline.set_state(saved, counters=counters)
-    return ProbeResult(before, multipliers, baseline, final, tuple(trials), ran[0])
+    def run_counted(
+        self, multipliers: dict[str, float], label: str, reference: str, slower: bool
+    ) -> float:
+        """`run`, then `counted` against the trial `reference`."""
+        return self.counted(self.run(multipliers, label), label, reference, slower)
+
+    def restore(self) -> None:
+        self.pipeline.set_state(self.saved, counters=self.counters)
+
+
+class _Base(NamedTuple):
+    """The trial the next stage compares with: its multipliers, score and label."""
+
+    multipliers: dict[str, float]
+    score: float
+    label: str
+
+
+def _global_stage(
+    trials: _Trials,
+    baseline: _Base,
+    groups: tuple[str, ...],
+    global_factors: Sequence[float],
+    global_reach: float,
+) -> _Base:
+    """Every group at each global factor together; if one wins, the ladder climbs on in its
+    direction while each rung beats the one before it, up to `global_reach`."""
+    before = baseline.multipliers
+
+    def everywhere(factor: float) -> dict[str, float]:
+        return {**before, **{g: before[g] * factor for g in groups}}
+
+    overall = {
+        f: trials.run_counted(everywhere(f), f"all x{f:g}", baseline.label, slower=f < 1)
+        for f in global_factors
+    }
+    f_all = choose_factors(baseline.score, {"all": overall}).get("all", 1.0)
+    if f_all == 1.0:
+        return baseline
+    base = _Base(everywhere(f_all), overall[f_all], f"all x{f_all:g}")
+    # the ladder: on in the same direction while each rung beats the last
+    step, total = f_all, f_all
+    while max(total * step, 1 / (total * step)) <= global_reach * (1 + 1e-9):
+        total *= step
+        label = f"all x{total:g}"
+        rates = everywhere(total)
+        rung = trials.run_counted(rates, label, base.label, slower=step < 1)
+        if not math.isfinite(rung):
+            break
+        base = _Base(rates, rung, label)
+    return base
+
+
+def _per_group_stage(
+    trials: _Trials, base: _Base, groups: tuple[str, ...], factors: Sequence[float]
+) -> tuple[dict[str, float], float]:
+    """Each group at each factor from `base`, then the choice: the multipliers and their
+    score (the combined choice if it beats `base`, else the best single change)."""
+    rates = base.multipliers
+    scores = {
+        g: {
+            f: trials.run_counted({**rates, g: rates[g] * f}, f"{g} x{f:g}", base.label,
+                                  slower=f < 1)
+            for f in factors
+        }
+        for g in groups
+    }
+    chosen = choose_factors(base.score, scores)
+    if not chosen:
+        return rates, base.score
+    if len(chosen) > 1:
+        combined = {**rates, **{g: rates[g] * f for g, f in chosen.items()}}
+        combined_score = trials.run(combined, "combined")
+        if trials.counted(combined_score, "combined", base.label) < base.score:
+            return combined, combined_score
+        # the choices do not add up: keep the best single change
+    g, f = min(chosen.items(), key=lambda item: scores[item[0]][item[1]])
+    return {**rates, g: rates[g] * f}, scores[g][f]
