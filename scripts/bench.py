@@ -1,7 +1,7 @@
 """Benchmark a GPT part tree (fused, fused run, unfused, backprop twin); see `fusedpc.bench`.
 
     python scripts/bench.py --compare
-    python scripts/bench.py --blocks 1,2,4,8,16
+    python scripts/bench.py --n-blocks 1,2,4,8,16
 """
 
 import sys

@@ -10,7 +10,7 @@ the median:
   carry, to separate the loop from what `run` stacks.
 
     python scripts/compile_scan_cost.py                       # a 1-block GPT, width 16, 3 rounds
-    python scripts/compile_scan_cost.py --blocks 2 --width 64 --rounds 5
+    python scripts/compile_scan_cost.py --n-blocks 2 --width 64 --rounds 5
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from fusedpc.bench._rounds import interleaved_rows
 VARIANTS = ("step", "run", "scan_no_outputs")
 
 
-def _worker(variant: str, blocks: int, width: int, steps: int) -> dict:
+def _worker(variant: str, n_blocks: int, width: int, steps: int) -> dict:
     import jax
     import numpy as np
     import optax
 
     import fusedpc
 
-    config = fusedpc.GPTConfig(vocab_size=32, width=width, n_heads=2, n_blocks=blocks,
+    config = fusedpc.GPTConfig(vocab_size=32, width=width, n_heads=2, n_blocks=n_blocks,
                                ff_width=2 * width, max_len=16)
     part, _ = fusedpc.build_gpt(config, optax.adam(3e-3), jax.random.key(0))
     program = fusedpc.make_step(part, config.error_fn)
@@ -57,26 +57,26 @@ def _worker(variant: str, blocks: int, width: int, steps: int) -> dict:
     traced = time.perf_counter()
     lowered.compile()
     compiled = time.perf_counter()
-    return {"variant": variant, "blocks": blocks, "width": width, "steps": steps,
+    return {"variant": variant, "n_blocks": n_blocks, "width": width, "steps": steps,
             "trace_lower_s": round(traced - start, 3), "compile_s": round(compiled - traced, 3),
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=1)
+    parser.add_argument("--n-blocks", type=int, default=1)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--steps", type=int, default=6, help="K, the scan's length")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.blocks, args.width, args.steps)))
+        print(json.dumps(_worker(args.worker, args.n_blocks, args.width, args.steps)))
         return
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "JAX_PLATFORMS": "cpu"}
     rows = interleaved_rows(
         __file__, VARIANTS, args.rounds,
-        lambda variant: ["--worker", variant, "--blocks", str(args.blocks),
+        lambda variant: ["--worker", variant, "--n-blocks", str(args.n_blocks),
                          "--width", str(args.width), "--steps", str(args.steps)],
         lambda variant: env,
     )

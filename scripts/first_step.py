@@ -10,9 +10,9 @@ cache off), the variants interleaved, and prints one JSON line per process, then
   a checkout of release 0.1 (`git worktree add /tmp/v01 <commit>`, then `/tmp/v01/src`).
 
     python scripts/first_step.py                      # 4 blocks, width 64, 5 rounds
-    python scripts/first_step.py --blocks 8 --rounds 3
+    python scripts/first_step.py --n-blocks 8 --rounds 3
     python scripts/first_step.py --previous-src /tmp/v01/src
-    python scripts/first_step.py --blocks 2 --variants one_trace \
+    python scripts/first_step.py --n-blocks 2 --variants one_trace \
         --tree r01=/tmp/v01/src --tree before=/tmp/before/src   # several trees, interleaved
 """
 
@@ -28,7 +28,7 @@ import time
 VARIANTS = ("one_trace", "two_traces")
 
 
-def _worker(variant: str, blocks: int, width: int) -> dict:
+def _worker(variant: str, n_blocks: int, width: int) -> dict:
     start = time.perf_counter()
     import jax
     import numpy as np
@@ -38,7 +38,7 @@ def _worker(variant: str, blocks: int, width: int) -> dict:
 
     imported = time.perf_counter()
     config = fusedpc.GPTConfig(
-        vocab_size=65, width=width, n_heads=4, n_blocks=blocks, ff_width=4 * width, max_len=64
+        vocab_size=65, width=width, n_heads=4, n_blocks=n_blocks, ff_width=4 * width, max_len=64
     )
     tree, _ = fusedpc.build_gpt(config, optax.adam(3e-3), jax.random.key(0))
     pipeline = fusedpc.FusedPipeline(tree, "softmax_cross_entropy")
@@ -58,7 +58,7 @@ def _worker(variant: str, blocks: int, width: int) -> dict:
     second = time.perf_counter()
     return {
         "variant": variant,
-        "blocks": blocks,
+        "n_blocks": n_blocks,
         "width": width,
         "first_step_s": round(first - built, 4),
         "check_s": round(checked - built, 4),
@@ -73,7 +73,7 @@ def _worker(variant: str, blocks: int, width: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--n-blocks", type=int, default=4)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--previous-src", help="another source tree to time as `previous`")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         row = _worker("one_trace" if args.worker not in VARIANTS else args.worker,
-                      args.blocks, args.width)
+                      args.n_blocks, args.width)
         print(json.dumps({**row, "variant": args.worker}))
         return 0
     # here, not above: a worker runs under another tree's src (--tree, --previous-src), which
@@ -108,12 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     variants = (*own, *trees)
     rows = interleaved_rows(
         __file__, variants, args.rounds,
-        lambda variant: ["--worker", variant, "--blocks", str(args.blocks),
+        lambda variant: ["--worker", variant, "--n-blocks", str(args.n_blocks),
                          "--width", str(args.width)],
         # another tree's variant runs that tree's code, its own step as it is
         lambda variant: {**env, "PYTHONPATH": trees[variant]} if variant in trees else env,
     )
-    summary: dict = {"summary": True, "blocks": args.blocks, "width": args.width}
+    summary: dict = {"summary": True, "n_blocks": args.n_blocks, "width": args.width}
     for variant in variants:
         for field in ("first_step_s", "check_s"):
             times = [r[field] for r in rows if r["variant"] == variant]

@@ -52,15 +52,15 @@ PROBE_ENV = "FUSEDPC_GPU_CHECK_PROBE"
 
 CONFIGS: dict[str, dict[str, Any]] = {
     # docs/benchmarks.md's S and M; L is GPT-2 small's shape with the bench's vocabulary
-    "S": {"width": 64, "heads": 4, "blocks": 2, "ff_width": 256, "seq": 64, "batch": 16,
-          "steps": 20, "warmup": 3, "k": 10, "dtype": "float32", "cap_s": 75},
-    "M": {"width": 256, "heads": 8, "blocks": 4, "ff_width": 1024, "seq": 128, "batch": 32,
-          "steps": 20, "warmup": 3, "k": 10, "dtype": "float32", "cap_s": 75},
-    "L": {"width": 768, "heads": 12, "blocks": 12, "ff_width": 3072, "seq": 1024, "batch": 8,
-          "steps": 10, "warmup": 2, "k": 5, "dtype": "bfloat16", "cap_s": 150},
+    "S": {"width": 64, "n_heads": 4, "n_blocks": 2, "ff_width": 256, "max_len": 64,
+          "batch": 16, "steps": 20, "warmup": 3, "k": 10, "dtype": "float32", "cap_s": 75},
+    "M": {"width": 256, "n_heads": 8, "n_blocks": 4, "ff_width": 1024, "max_len": 128,
+          "batch": 32, "steps": 20, "warmup": 3, "k": 10, "dtype": "float32", "cap_s": 75},
+    "L": {"width": 768, "n_heads": 12, "n_blocks": 12, "ff_width": 3072, "max_len": 1024,
+          "batch": 8, "steps": 10, "warmup": 2, "k": 5, "dtype": "bfloat16", "cap_s": 150},
     # --smoke; the dtype is L's, so that the smoke takes L's path through `--dtype` too
-    "tiny": {"width": 16, "heads": 2, "blocks": 1, "ff_width": 64, "seq": 8, "batch": 2,
-             "steps": 2, "warmup": 0, "k": 2, "dtype": "bfloat16", "cap_s": 100},
+    "tiny": {"width": 16, "n_heads": 2, "n_blocks": 1, "ff_width": 64, "max_len": 8,
+             "batch": 2, "steps": 2, "warmup": 0, "k": 2, "dtype": "bfloat16", "cap_s": 100},
 }
 """The bench configs (vocabulary 65, the bench's default, throughout). A `bfloat16` config
 runs in bfloat16 only where the bench has a `--dtype` flag; float32 otherwise. `cap_s` is the
@@ -450,7 +450,8 @@ def bench_command(
     """The `scripts/bench.py` command line of one config."""
     options = check.options
     command = [sys.executable, str(BENCH), "--no-donate-probe", "--variants", options.variants]
-    for name in ("width", "heads", "blocks", "ff_width", "seq", "batch", "steps", "warmup", "k"):
+    for name in ("width", "n_heads", "n_blocks", "ff_width", "max_len", "batch", "steps",
+                 "warmup", "k"):
         command += [f"--{name.replace('_', '-')}", str(config[name])]
     if dtype_flag is not None:
         command += ["--dtype", dtype_flag]
@@ -491,7 +492,8 @@ def bench_line(
         "compile_s": row["compile_s"], "flops_per_step": row["flops_per_step"],
         "timed_steps": row["timed_steps"], "peak_mb": row.get("peak_mb"),
         "device_peak_mb": row.get("device_peak_mb"), "blocks_form": row.get("blocks_form"),
-        **{k: row[k] for k in ("vocab", "width", "heads", "blocks", "ff_width", "seq", "batch")},
+        **{k: row[k] for k in ("vocab", "width", "n_heads", "n_blocks", "ff_width", "max_len",
+                               "batch")},
     }
 
 

@@ -28,9 +28,12 @@ from typing import Any
 
 # The configs of docs/benchmarks.md (Adam, every weight learning), and a tiny one for tests.
 CONFIGS: dict[str, dict[str, int]] = {
-    "S": dict(vocab=65, width=64, heads=4, blocks=2, ff_width=256, seq=64, batch=16, k=10),
-    "M": dict(vocab=65, width=256, heads=8, blocks=4, ff_width=1024, seq=128, batch=32, k=10),
-    "smoke": dict(vocab=11, width=8, heads=2, blocks=2, ff_width=16, seq=8, batch=4, k=2),
+    "S": dict(vocab=65, width=64, n_heads=4, n_blocks=2, ff_width=256, max_len=64, batch=16,
+              k=10),
+    "M": dict(vocab=65, width=256, n_heads=8, n_blocks=4, ff_width=1024, max_len=128, batch=32,
+              k=10),
+    "smoke": dict(vocab=11, width=8, n_heads=2, n_blocks=2, ff_width=16, max_len=8, batch=4,
+                  k=2),
 }
 # The bench's variant names: `backprop` is the twin; `fused` and `fused_run` use
 # `scan="auto"` (S and M: an unrolled `Repeat`), `fused_scan` forces the scan.
@@ -155,8 +158,9 @@ def _args(config: str, variant: str):
 
     c = CONFIGS[config]
     return BenchArgs(
-        vocab=c["vocab"], width=c["width"], heads=c["heads"], blocks=(c["blocks"],),
-        ff_width=c["ff_width"], seq=c["seq"], batch=c["batch"], k=c["k"], learning="all",
+        vocab=c["vocab"], width=c["width"], n_heads=c["n_heads"], n_blocks=(c["n_blocks"],),
+        ff_width=c["ff_width"], max_len=c["max_len"], batch=c["batch"], k=c["k"],
+        learning="all",
         optimiser="adam", lr=1e-3, nonfinite="ignore" if variant.endswith(IGNORE) else "skip",
     )
 
@@ -236,7 +240,7 @@ def measure(config: str, variant: str) -> dict[str, Any]:
     jax.devices()  # the backend starts before the baseline: it is not the variant's
     rss_before = current_rss_mb()
     args = _args(config, variant)
-    setup = Setup(args, args.blocks[0])
+    setup = Setup(args, args.n_blocks[0])
     if variant == "backprop":
         compiled, leaves, donated = _twin(setup)
     else:
@@ -273,7 +277,7 @@ def measure(config: str, variant: str) -> dict[str, Any]:
 def _blocks_form(variant: str, args) -> str:
     from fusedpc.bench._setup import variant_blocks_form
 
-    return variant_blocks_form(variant.removesuffix(IGNORE), args.blocks[0])
+    return variant_blocks_form(variant.removesuffix(IGNORE), args.n_blocks[0])
 
 
 # ---------------------------------------------------------------------------- the driver

@@ -92,7 +92,7 @@ def main() -> int:
 
     for name, (function, args) in programs().items():
         compiled = jax.jit(function, donate_argnums=(1, 2)).lower(*args).compile()
-        print(json.dumps({"form": name, "blocks": BLOCKS, "shapes": len(SHAPES),
+        print(json.dumps({"form": name, "n_blocks": BLOCKS, "shapes": len(SHAPES),
                           **count_fusions(compiled.as_text()), "jax": jax.__version__}), flush=True)
     return 0
 

@@ -5,20 +5,21 @@ Nothing here is timed: the figures are only checked to exist and be positive.
 
 import json
 import os
+import warnings
 
 import pytest
 
-from fusedpc import bench
+from fusedpc import _deprecation, bench
 from fusedpc.bench import _workers
 
 MICRO = [
-    "--vocab", "7", "--width", "4", "--heads", "2", "--blocks", "1", "--seq", "4",
+    "--vocab", "7", "--width", "4", "--n-heads", "2", "--n-blocks", "1", "--max-len", "4",
     "--batch", "2", "--steps", "2", "--warmup", "0", "--k", "2", "--learning", "none",
     "--optimiser", "sgd", "--lr", "0.1",
 ]
 ROW_FIELDS = (
     "variant", "step_ms", "tokens_per_s", "compile_s", "peak_mb", "gflops", "device",
-    "step_cpu_ms", "vocab", "width", "heads", "blocks", "seq", "batch", "learning",
+    "step_cpu_ms", "vocab", "width", "n_heads", "n_blocks", "max_len", "batch", "learning",
 )
 
 
@@ -44,7 +45,8 @@ def test_all_variants_in_process_with_compare_and_peak(capsys):
         assert row["compile_s"] > 0 and row["step_cpu_ms"] >= 0
         assert row["peak_method"] == "rss_growth_in_process"
         assert row["peak_fraction"] > 0
-        assert (row["width"], row["blocks"], row["learning"]) == (4, 1, "none")
+        assert (row["width"], row["n_blocks"], row["learning"]) == (4, 1, "none")
+        assert not {"heads", "blocks", "seq"} & set(row)  # the train spelling only
     assert by_variant["fused_run"]["steps_per_call"] == 2
     donation = by_variant["donation"]
     assert donation["donated_peak_mb"] < donation["not_donated_peak_mb"]
@@ -57,14 +59,15 @@ def test_all_variants_in_process_with_compare_and_peak(capsys):
 
 
 def test_interleaved_depth_sweep_rows_and_summary(capsys):
-    argv = [*MICRO, "--interleave", "--blocks", "1,2", "--steps", "1", "--variants", "fused_scan"]
+    argv = [*MICRO, "--interleave", "--n-blocks", "1,2", "--steps", "1", "--variants",
+            "fused_scan"]
     assert bench.main(argv) == 0
     rows, err = _rows(capsys)
-    measured = [(r["variant"], r["blocks"]) for r in rows if "step_ms" in r]
+    measured = [(r["variant"], r["n_blocks"]) for r in rows if "step_ms" in r]
     assert measured == [("fused_scan", 1), ("fused_scan", 2)]
     summary = rows[-1]
     assert summary["variant"] == "sweep_summary"
-    assert summary["fused_scan"]["blocks"] == [1, 2]
+    assert summary["fused_scan"]["n_blocks"] == [1, 2]
     assert summary["fused_scan"]["compile_ratio"] > 0
     assert all(r["peak_method"] == "rss_growth_interleaved" for r in rows if "step_ms" in r)
     assert "fused_scan" in err and "compile s" in err  # the human table
@@ -85,10 +88,11 @@ def test_worker_subprocess_with_emulated_devices(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--width", "6", "--heads", "4"], "must divide --width"),
+        (["--width", "6", "--n-heads", "4"], "--n-heads 4 must divide --width 6"),
+        (["--max-len", "0"], "--max-len must be >= 1"),
         (["--batch", "3", "--devices", "2"], "must divide over --devices"),
         (["--variants", "fused,warp"], "unknown variants"),
-        (["--blocks", "1,0"], "integers >= 1"),
+        (["--n-blocks", "1,0"], "integers >= 1"),
     ],
 )
 def test_bad_flags_are_refused(argv, message, capsys):
@@ -98,28 +102,53 @@ def test_bad_flags_are_refused(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "old, new, value, setting",
+    [("--heads", "--n-heads", "2", ("n_heads", 2)),
+     ("--blocks", "--n-blocks", "1,3", ("n_blocks", (1, 3))),
+     ("--seq", "--max-len", "8", ("max_len", 8))],
+)
+def test_the_old_flags_still_work_and_say_the_new_spelling(old, new, value, setting):
+    # fusedpc train's spelling since 0.4; the old one until fusedpc._deprecation.REMOVED_IN
+    with pytest.warns(DeprecationWarning, match=f"fusedpc bench {old} is now {new}; the old "
+                      f"name will be removed in {_deprecation.REMOVED_IN}"):
+        args, _ = bench.parse_args(["--width", "8", old, value])
+    name, want = setting
+    assert getattr(args, name) == want
+    assert args == bench.parse_args(["--width", "8", new, value])[0]
+    assert old not in bench.build_parser().format_help()  # --help names the new flag only
+
+
+def test_the_new_flags_raise_no_deprecation_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args, _ = bench.parse_args(["--n-heads", "2", "--n-blocks", "2", "--max-len", "8"])
+    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert (args.n_heads, args.n_blocks, args.max_len) == (2, (2,), 8)
+
+
 def test_worker_receives_exactly_the_parents_settings():
     # A worker must measure exactly what the parent was asked for: the whole BenchArgs
     # survives the round trip through the worker's request, with the task and its depth.
     argv = [
-        *MICRO, "--blocks", "1,3", "--ff-width", "12", "--nonfinite", "ignore", "--profile",
+        *MICRO, "--n-blocks", "1,3", "--ff-width", "12", "--nonfinite", "ignore", "--profile",
         "--devices", "2", "--seed", "5", "--peak-sizes", "8,16", "--lr", "0.25",
         "--host-memory", "system", "--interleave", "--compare",
     ]
     args, worker = bench.parse_args(argv)
     assert not worker
-    assert args.ff_width == 12 and args.blocks == (1, 3) and args.lr == 0.25
+    assert args.ff_width == 12 and args.n_blocks == (1, 3) and args.lr == 0.25
     assert args.variants == bench.SWEEP_VARIANTS  # the sweep's default, resolved once
     request = _workers.worker_request(args, "fused", 3)
-    received, task, blocks = _workers.read_worker_request(request)
+    received, task, n_blocks = _workers.read_worker_request(request)
     assert received == args
-    assert (task, blocks) == ("fused", 3)
+    assert (task, n_blocks) == ("fused", 3)
     assert bench.BenchArgs.from_json(args.to_json()) == args
 
 
 def test_settings_are_checked_when_built():
     with pytest.raises(ValueError, match="must divide --width"):
-        bench.BenchArgs(width=6, heads=4, ff_width=24)
+        bench.BenchArgs(width=6, n_heads=4, ff_width=24)
     with pytest.raises(ValueError, match="unknown variants"):
         bench.BenchArgs(variants=("fused", "warp"))
 

@@ -67,7 +67,7 @@ def test_smoke_runs_every_stage_and_prints_one_json_line_each(tmp_path):
         # a CPU has no datasheet peak: no MFU against one, and the line says why
         assert line["mfu"] is None and line["peak_tflops"] is None
         assert "no datasheet figure" in line["peak_source"]
-        assert (line["width"], line["heads"], line["blocks"], line["seq"]) == (16, 2, 1, 8)
+        assert (line["width"], line["n_heads"], line["n_blocks"], line["max_len"]) == (16, 2, 1, 8)
 
     assert summary["ok"] and summary["failed"] == []
     assert set(summary["stages_s"]) == {"device", "parity", "bench:tiny"}

@@ -15,7 +15,7 @@ Variants (each measured on the same config, weights and batches):
   default, `scan="auto"` (a `Repeat` unrolled up to `fusedpc.transformer.AUTO_UNROLL_BLOCKS`
   blocks, scanned beyond).
 
-`--blocks 1,2,4,8,16` runs a depth sweep instead: `fused_scan` (blocks in a `Repeat`, one
+`--n-blocks 1,2,4,8,16` runs a depth sweep instead: `fused_scan` (blocks in a `Repeat`, one
 scanned block) and `fused_unrolled` (blocks unrolled in Python) at each depth. `--peak` adds
 a float32 matmul probe (the machine's reachable GFLOP/s) and a `peak_fraction` per row. The
 donation probe compares the compiled memory of the fused step with and without its state

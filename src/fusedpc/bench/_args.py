@@ -7,8 +7,11 @@ import argparse
 import dataclasses
 import json
 import re
+import sys
+import warnings
 from typing import Any
 
+from fusedpc._deprecation import warn_deprecated
 from fusedpc.training import HOST_MEMORY_MODES, OPTIMISERS
 
 VARIANTS = ("fused", "fused_run", "unfused", "backprop")
@@ -87,10 +90,10 @@ class BenchArgs:
 
     vocab: int = 65
     width: int = 64
-    heads: int = 4
-    blocks: tuple[int, ...] = (2,)
+    n_heads: int = 4
+    n_blocks: tuple[int, ...] = (2,)
     ff_width: int = 256
-    seq: int = 64
+    max_len: int = 64
     batch: int = 16
     steps: int = 20
     warmup: int = 3
@@ -115,9 +118,9 @@ class BenchArgs:
     inference_rate: float = 0.1
 
     def __post_init__(self):
-        for name in ("vocab", "width", "heads", "seq", "batch", "steps", "k", "devices"):
+        for name in ("vocab", "width", "n_heads", "max_len", "batch", "steps", "k", "devices"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if self.inference_steps < 0:
@@ -126,12 +129,12 @@ class BenchArgs:
             raise ValueError(f"--inference-rate must be > 0, got {self.inference_rate}")
         if self.ff_width < 1:
             raise ValueError(f"--ff-width must be >= 1, got {self.ff_width}")
-        if self.width % self.heads:
-            raise ValueError(f"--heads {self.heads} must divide --width {self.width}")
+        if self.width % self.n_heads:
+            raise ValueError(f"--n-heads {self.n_heads} must divide --width {self.width}")
         if self.batch % self.devices:
             raise ValueError(f"--batch {self.batch} must divide over --devices {self.devices}")
-        if not self.blocks or any(b < 1 for b in self.blocks):
-            raise ValueError(f"--blocks must be integers >= 1, got {list(self.blocks)}")
+        if not self.n_blocks or any(b < 1 for b in self.n_blocks):
+            raise ValueError(f"--n-blocks must be integers >= 1, got {list(self.n_blocks)}")
         if not self.peak_sizes or any(n < 1 for n in self.peak_sizes):
             raise ValueError(f"--peak-sizes must be integers >= 1, got {list(self.peak_sizes)}")
         unknown = [v for v in self.variants if base_variant(v) not in ALL_VARIANTS]
@@ -150,14 +153,14 @@ class BenchArgs:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(
-                    f"--{name.replace('_', '-')} must be one of {allowed}, "
+                    f"--{_flag(name)} must be one of {allowed}, "
                     f"got {getattr(self, name)!r}"
                 )
 
     @property
     def sweep(self) -> bool:
-        """Whether this is a depth sweep (more than one `blocks`)."""
-        return len(self.blocks) > 1
+        """Whether this is a depth sweep (more than one `n_blocks`)."""
+        return len(self.n_blocks) > 1
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> BenchArgs:
@@ -174,11 +177,12 @@ class BenchArgs:
         """
         values = dict(vars(namespace))
         values.pop("worker", None)
+        values.pop(_RENAMED_GIVEN, None)
         if values["ff_width"] is None:
             values["ff_width"] = 4 * values["width"]
         if values["variants"] is None:
-            values["variants"] = SWEEP_VARIANTS if len(values["blocks"]) > 1 else VARIANTS
-        for name in ("blocks", "variants", "peak_sizes"):
+            values["variants"] = SWEEP_VARIANTS if len(values["n_blocks"]) > 1 else VARIANTS
+        for name in ("n_blocks", "variants", "peak_sizes"):
             values[name] = tuple(values[name])
         return cls(**values)
 
@@ -197,7 +201,7 @@ class BenchArgs:
             The `BenchArgs`, equal to the one written.
         """
         values: dict[str, Any] = json.loads(text)
-        for name in ("blocks", "variants", "peak_sizes"):
+        for name in ("n_blocks", "variants", "peak_sizes"):
             values[name] = tuple(values[name])
         return cls(**values)
 
@@ -224,6 +228,34 @@ def _variant_list(text: str) -> list[str]:
     return values
 
 
+RENAMED_FLAGS = {"--heads": "--n-heads", "--blocks": "--n-blocks", "--seq": "--max-len"}
+"""The flags of `fusedpc bench` before 0.4, spelt as `fusedpc train` spells them now; the old
+spellings still work, with a `DeprecationWarning`, until `fusedpc._deprecation.REMOVED_IN`."""
+
+
+def _flag(setting: str) -> str:
+    """The flag of a setting, without its dashes: `max_len` -> `max-len`."""
+    return setting.replace("_", "-")
+
+
+def _setting(flag: str) -> str:
+    """The setting of a flag: `--max-len` -> `max_len`."""
+    return flag[2:].replace("-", "_")
+
+
+class _RenamedFlag(argparse.Action):
+    """An old spelling of a flag (`RENAMED_FLAGS`): sets the new flag's setting and notes the
+    old flag under `_RENAMED_GIVEN`, for `parse_args` to warn about."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        given = getattr(namespace, _RENAMED_GIVEN, [])
+        setattr(namespace, _RENAMED_GIVEN, [*given, self.option_strings[0]])
+
+
+_RENAMED_GIVEN = "_renamed_flags_given"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `fusedpc bench` command line; `parse_args` turns its flags into a `BenchArgs`."""
     d = BenchArgs()
@@ -242,14 +274,20 @@ def _model_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
     """The GPT's sizes and the batch's."""
     p.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size (default 65)")
     p.add_argument("--width", type=int, default=d.width, help="model width (default 64)")
-    p.add_argument("--heads", type=int, default=d.heads, help="attention heads (default 4)")
+    p.add_argument("--n-heads", type=int, default=d.n_heads,
+                   help="attention heads (default 4)")
     p.add_argument(
-        "--blocks", type=_int_list, default=list(d.blocks),
-        help="blocks; a comma-separated list (1,2,4,8,16) runs the depth sweep (default 2)",
+        "--n-blocks", type=_int_list, default=list(d.n_blocks),
+        help="transformer blocks; a comma-separated list (1,2,4,8,16) runs the depth sweep "
+        "(default 2)",
     )
     p.add_argument("--ff-width", type=int, default=None, help="feed-forward width (4 x width)")
-    p.add_argument("--seq", type=int, default=d.seq, help="sequence length (default 64)")
+    p.add_argument("--max-len", type=int, default=d.max_len,
+                   help="tokens per row, the position table's length (default 64)")
     p.add_argument("--batch", type=int, default=d.batch, help="batch size (default 16)")
+    for old, new in RENAMED_FLAGS.items():
+        p.add_argument(old, dest=_setting(new), type=_int_list if new == "--n-blocks" else int,
+                       action=_RenamedFlag, help=argparse.SUPPRESS)
 
 
 def _training_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
@@ -365,9 +403,18 @@ def parse_args(
 
     Raises:
         SystemExit: with code 2 and a message on stderr, for a bad flag.
+
+    Warns:
+        DeprecationWarning: for each old spelling given (`RENAMED_FLAGS`), shown unless
+            Python's `-W` options say otherwise.
     """
     parser = parser or build_parser()
     namespace = parser.parse_args(argv)
+    with warnings.catch_warnings():
+        if not sys.warnoptions:  # an old flag's warning is for whoever typed the command
+            warnings.simplefilter("default", DeprecationWarning)
+        for old in dict.fromkeys(getattr(namespace, _RENAMED_GIVEN, [])):
+            warn_deprecated(f"fusedpc bench {old} is now {RENAMED_FLAGS[old]}")
     try:
         return BenchArgs.from_namespace(namespace), namespace.worker
     except ValueError as error:

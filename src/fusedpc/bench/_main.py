@@ -17,26 +17,26 @@ from fusedpc.bench._workers import (
 
 
 def plan(args: BenchArgs) -> list[tuple[str, int]]:
-    """The measurements to take, in order, as `(task, blocks)`: the peak probe first, then
+    """The measurements to take, in order, as `(task, n_blocks)`: the peak probe first, then
     every variant at every depth, then the donation probe; with `--interleave` the variants
     of one depth are one task `"*"` (measured together, in this process)."""
     tasks: list[tuple[str, int]] = []
     if args.peak or "peak" in args.variants:
-        tasks.append(("peak", args.blocks[0]))
-    for blocks in args.blocks:
+        tasks.append(("peak", args.n_blocks[0]))
+    for n_blocks in args.n_blocks:
         for variant in args.variants:
             if variant not in PROBES:
-                tasks.append((variant, blocks))
+                tasks.append((variant, n_blocks))
     if "donation" in args.variants or (not args.sweep and not args.no_donate_probe):
-        tasks.append(("donation", args.blocks[0]))
+        tasks.append(("donation", args.n_blocks[0]))
     if not args.interleave:
         return tasks
     grouped: list[tuple[str, int]] = []
-    for task, blocks in tasks:
+    for task, n_blocks in tasks:
         if task in PROBES:
-            grouped.append((task, blocks))
-        elif not any(t == "*" and b == blocks for t, b in grouped):
-            grouped.append(("*", blocks))
+            grouped.append((task, n_blocks))
+        elif not any(t == "*" and b == n_blocks for t, b in grouped):
+            grouped.append(("*", n_blocks))
     return grouped
 
 
@@ -72,17 +72,17 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, Any]] = []
     peak = None
-    for task, blocks in plan(args):
+    for task, n_blocks in plan(args):
         if task == "*":
             from fusedpc.bench._measure import measure_interleaved
 
             measured = [v for v in args.variants if v not in PROBES]
-            for row in measure_interleaved(args, measured, blocks):
+            for row in measure_interleaved(args, measured, n_blocks):
                 _add_peak_fraction(row, peak)
                 rows.append(row)
                 emit(row)
             continue
-        row = run_task(args, task, blocks) if here else in_subprocess(args, task, blocks)
+        row = run_task(args, task, n_blocks) if here else in_subprocess(args, task, n_blocks)
         if here and "rss_growth_mb" in row:
             row["peak_mb"] = row["rss_growth_mb"]
             row["peak_method"] = "rss_growth_in_process"

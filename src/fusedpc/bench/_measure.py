@@ -157,7 +157,7 @@ def timed_calls(args: BenchArgs, steps_per_call: int) -> int:
 def variant_row(
     args: BenchArgs,
     variant: str,
-    blocks: int,
+    n_blocks: int,
     timing: dict[str, Any],
     steps_per_call: int,
     rss: tuple[float, float],
@@ -168,7 +168,7 @@ def variant_row(
     Args:
         args: the bench's settings.
         variant: the variant's name.
-        blocks: the number of GPT blocks.
+        n_blocks: the number of GPT blocks.
         timing: `time_calls`'s result.
         steps_per_call: training steps per timed call.
         rss: the process's maximum RSS (MB) before and after the variant.
@@ -184,9 +184,9 @@ def variant_row(
     p25, median, p75 = (t / steps_per_call for t in _quartiles(timing["times"]))
     cpu = statistics.median(timing["cpu"]) / steps_per_call
     flops = count_flops(
-        args.vocab, args.width, args.heads, blocks, args.ff_width, args.seq, args.batch
+        args.vocab, args.width, args.n_heads, n_blocks, args.ff_width, args.max_len, args.batch
     )
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.max_len
     note = {}
     if variant == "backprop" and args.learning != "all":
         note = {"note": "the backprop twin trains every weight, whatever --learning says"}
@@ -213,7 +213,7 @@ def variant_row(
         "timed_steps": len(timing["times"]) * steps_per_call,
         "steps_per_call": steps_per_call,
         **(
-            {"blocks_form": variant_blocks_form(variant, blocks)}
+            {"blocks_form": variant_blocks_form(variant, n_blocks)}
             if variant.startswith("fused") else {}
         ),
         **(
@@ -222,7 +222,7 @@ def variant_row(
             else {}
         ),
         **device_info(),
-        **config_fields(args, blocks),
+        **config_fields(args, n_blocks),
         **note,
     }
     if kernels is not None:
@@ -230,19 +230,19 @@ def variant_row(
     return row
 
 
-def measure_variant(args: BenchArgs, variant: str, blocks: int) -> dict[str, Any]:
+def measure_variant(args: BenchArgs, variant: str, n_blocks: int) -> dict[str, Any]:
     """Build, warm and time one variant in this process; returns its JSON row."""
     rss_before = maxrss_mb()
-    call, steps_per_call = prepare_variant(args, variant, blocks)
+    call, steps_per_call = prepare_variant(args, variant, n_blocks)
     calls = timed_calls(args, steps_per_call)
     timing = time_calls(call, args.warmup, calls)
     kernels = profile(call, 1 + args.warmup + calls) if args.profile else None
     rss = (rss_before, maxrss_mb())
-    return variant_row(args, variant, blocks, timing, steps_per_call, rss, kernels)
+    return variant_row(args, variant, n_blocks, timing, steps_per_call, rss, kernels)
 
 
 def measure_interleaved(
-    args: BenchArgs, variants: list[str], blocks: int
+    args: BenchArgs, variants: list[str], n_blocks: int
 ) -> list[dict[str, Any]]:
     """All `variants` in this process, their timed calls taken in turn (one call of each per
     round), so that a load that comes and goes on a shared machine hits them alike.
@@ -258,7 +258,7 @@ def measure_interleaved(
     prepared, firsts, rss = {}, {}, {}
     for variant in variants:
         before = maxrss_mb()
-        call, steps_per_call = prepare_variant(args, variant, blocks)
+        call, steps_per_call = prepare_variant(args, variant, n_blocks)
         t0, c0 = time.perf_counter(), time.process_time()
         jax.block_until_ready(call(0))
         firsts[variant] = (time.perf_counter() - t0, time.process_time() - c0)
@@ -289,7 +289,7 @@ def measure_interleaved(
         }
         kernels = profile(call, 1 + args.warmup + rounds) if args.profile else None
         growth = rss[variant][1] - rss[variant][0]
-        row = variant_row(args, variant, blocks, timing, steps_per_call, (0.0, growth), kernels)
+        row = variant_row(args, variant, n_blocks, timing, steps_per_call, (0.0, growth), kernels)
         row["peak_method"] = "rss_growth_interleaved"
         rows.append(row)
     return rows

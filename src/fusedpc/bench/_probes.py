@@ -36,14 +36,14 @@ def memory_stats(compiled) -> dict[str, float] | None:
     return out
 
 
-def measure_donation(args: BenchArgs, blocks: int) -> dict[str, Any]:
+def measure_donation(args: BenchArgs, n_blocks: int) -> dict[str, Any]:
     """Compiled memory of the fused step (as the `fused` variant) with its carry donated and
     without: `jax.jit(pipeline.program.step, donate_argnums=0)` against
     `jax.jit(pipeline.program.step)`, both lowered at `pipeline.carry`; returns the
     `donation` row."""
     import jax
 
-    setup = Setup(args, blocks)
+    setup = Setup(args, n_blocks)
     pipeline = setup.pipeline("fused")
     ids, targets = setup.batch(0)
     step, carry = pipeline.program.step, pipeline.carry
@@ -61,9 +61,9 @@ def measure_donation(args: BenchArgs, blocks: int) -> dict[str, Any]:
         "not_donated": without,
         "donated_peak_mb": None if with_donation is None else with_donation["total_mb"],
         "not_donated_peak_mb": None if without is None else without["total_mb"],
-        "blocks_form": variant_blocks_form("fused", blocks),
+        "blocks_form": variant_blocks_form("fused", n_blocks),
         **device_info(),
-        **config_fields(args, blocks),
+        **config_fields(args, n_blocks),
     }
 
 

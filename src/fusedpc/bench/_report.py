@@ -8,15 +8,15 @@ from typing import Any
 from fusedpc.bench._args import SWEEP_VARIANTS, BenchArgs
 
 
-def config_fields(args: BenchArgs, blocks: int) -> dict[str, Any]:
+def config_fields(args: BenchArgs, n_blocks: int) -> dict[str, Any]:
     """The settings a row was measured at (the model's shape, its training, its devices)."""
     return {
         "vocab": args.vocab,
         "width": args.width,
-        "heads": args.heads,
-        "blocks": blocks,
+        "n_heads": args.n_heads,
+        "n_blocks": n_blocks,
         "ff_width": args.ff_width,
-        "seq": args.seq,
+        "max_len": args.max_len,
         "batch": args.batch,
         "learning": args.learning,
         "optimiser": args.optimiser,
@@ -64,12 +64,13 @@ def sweep_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     compile and step times; `None` when no variant was measured at two depths."""
     out: dict[str, Any] = {"variant": "sweep_summary"}
     for variant in SWEEP_VARIANTS:
-        mine = sorted((r for r in rows if r.get("variant") == variant), key=lambda r: r["blocks"])
+        mine = sorted((r for r in rows if r.get("variant") == variant),
+                      key=lambda r: r["n_blocks"])
         if len(mine) < 2:
             continue
         lo, hi = mine[0], mine[-1]
         out[variant] = {
-            "blocks": [lo["blocks"], hi["blocks"]],
+            "n_blocks": [lo["n_blocks"], hi["n_blocks"]],
             "compile_ratio": hi["compile_s"] / lo["compile_s"],
             "compile_only_ratio": hi["compile_only_s"] / max(lo["compile_only_s"], 1e-9),
             "step_ratio": hi["step_ms"] / lo["step_ms"],
@@ -89,7 +90,7 @@ def table(rows: list[dict[str, Any]], compare: dict[str, Any] | None) -> str:
 
 _TABLE_COLUMNS = (
     ("variant", "variant"),
-    ("blocks", "blocks", "", ">"),
+    ("n_blocks", "blocks", "", ">"),
     ("step_ms", "step ms", ".2f", ">"),
     ("step_cpu_ms", "cpu ms", ".2f", ">"),
     ("tokens_per_s", "tokens/s", ".0f", ">"),

@@ -36,12 +36,12 @@ def variant_scan(variant: str) -> bool | str:
     return "auto"
 
 
-def variant_blocks_form(variant: str, blocks: int) -> str:
+def variant_blocks_form(variant: str, n_blocks: int) -> str:
     """How a fused variant runs its blocks (`fusedpc.transformer.blocks_form`).
 
     Args:
         variant: a fused variant's name.
-        blocks: the number of blocks.
+        n_blocks: the number of blocks.
 
     Returns:
         `"scanned"`, `"unrolled"` (an unrolled `Repeat`, what `scan="auto"` gives for few
@@ -49,7 +49,7 @@ def variant_blocks_form(variant: str, blocks: int) -> str:
     """
     from fusedpc.transformer import blocks_form
 
-    return blocks_form(variant_scan(variant), blocks)
+    return blocks_form(variant_scan(variant), n_blocks)
 
 
 class Setup:
@@ -57,21 +57,21 @@ class Setup:
 
     Args:
         args: the bench's settings.
-        blocks: the number of GPT blocks (one depth of a sweep).
+        n_blocks: the number of GPT blocks (one depth of a sweep).
 
     Raises:
         RuntimeError: when `args.devices` asks for more devices than jax sees (jax started
             before `JAX_NUM_CPU_DEVICES` was set).
     """
 
-    def __init__(self, args: BenchArgs, blocks: int):
+    def __init__(self, args: BenchArgs, n_blocks: int):
         import jax
         import jax.numpy as jnp
 
         from fusedpc.training import make_optimiser
 
         self.args = args
-        self.blocks = blocks
+        self.n_blocks = n_blocks
         self.optimiser = make_optimiser(args.optimiser, args.lr)
         self.mesh = None
         if args.devices > 1:
@@ -84,14 +84,14 @@ class Setup:
         key = jax.random.key(args.seed)
         self.model_key, data_key = jax.random.split(key)
         k_ids, k_targets = jax.random.split(data_key)
-        shape = (4, args.batch, args.seq)
+        shape = (4, args.batch, args.max_len)
         self.ids = jax.random.randint(k_ids, shape, 0, args.vocab, dtype=jnp.int32)
         self.targets = jax.random.randint(k_targets, shape, 0, args.vocab, dtype=jnp.int32)
         # Sliced and placed once: a call's timing holds the step, not the batch's preparation.
         self.batches = [
             (self.shard(self.ids[j]), self.shard(self.targets[j])) for j in range(shape[0])
         ]
-        run_shape = (args.k, args.batch, args.seq)
+        run_shape = (args.k, args.batch, args.max_len)
         self.run_ids = jax.random.randint(k_ids, run_shape, 0, args.vocab, dtype=jnp.int32)
         self.run_targets = jax.random.randint(
             k_targets, run_shape, 0, args.vocab, dtype=jnp.int32
@@ -110,8 +110,9 @@ class Setup:
                 "inference_steps": inference_steps, "inference_rate": args.inference_rate,
             }}
         return fusedpc.GPTConfig(
-            vocab_size=args.vocab, width=args.width, n_heads=args.heads, n_blocks=self.blocks,
-            ff_width=args.ff_width, max_len=args.seq, learn=args.learning, scan=scan,
+            vocab_size=args.vocab, width=args.width, n_heads=args.n_heads,
+            n_blocks=self.n_blocks, ff_width=args.ff_width, max_len=args.max_len,
+            learn=args.learning, scan=scan,
             compute_dtype=args.dtype, **kind,
         )
 
@@ -159,13 +160,13 @@ class Setup:
         return self.batches[i % len(self.batches)]
 
 
-def prepare_variant(args: BenchArgs, variant: str, blocks: int) -> tuple[Callable, int]:
+def prepare_variant(args: BenchArgs, variant: str, n_blocks: int) -> tuple[Callable, int]:
     """Build one variant.
 
     Args:
         args: the bench's settings.
         variant: the variant's name (not a probe).
-        blocks: the number of GPT blocks.
+        n_blocks: the number of GPT blocks.
 
     Returns:
         `(call, steps_per_call)`: `call(i)` runs one call on batch `i` and returns what to
@@ -180,7 +181,7 @@ def prepare_variant(args: BenchArgs, variant: str, blocks: int) -> tuple[Callabl
     from fusedpc.execution import UnfusedPipeline
     from fusedpc.transformer.reference import make_backprop_step
 
-    setup = Setup(args, blocks)
+    setup = Setup(args, n_blocks)
     if base_variant(variant) in FUSED_VARIANTS:
         pipeline = setup.pipeline(variant)
         if base_variant(variant) in RUN_VARIANTS:

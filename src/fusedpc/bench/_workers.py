@@ -21,13 +21,13 @@ from fusedpc.bench._args import BenchArgs
 from fusedpc.training import gpt_step_temporaries, wants_host_memory_reuse
 
 
-def run_task(args: BenchArgs, task: str, blocks: int) -> dict[str, Any]:
+def run_task(args: BenchArgs, task: str, n_blocks: int) -> dict[str, Any]:
     """One measurement in this process.
 
     Args:
         args: the bench's settings.
         task: a variant's name, `"peak"` or `"donation"`.
-        blocks: the number of GPT blocks.
+        n_blocks: the number of GPT blocks.
 
     Returns:
         The measurement's JSON row.
@@ -38,15 +38,15 @@ def run_task(args: BenchArgs, task: str, blocks: int) -> dict[str, Any]:
     if task == "peak":
         return measure_peak(args)
     if task == "donation":
-        return measure_donation(args, blocks)
-    return measure_variant(args, task, blocks)
+        return measure_donation(args, n_blocks)
+    return measure_variant(args, task, n_blocks)
 
 
 def step_temporaries(args: BenchArgs) -> int:
     """`gpt_step_temporaries` of the deepest config measured (all depths share the choice)."""
     return gpt_step_temporaries(
-        batch=args.batch, seq=args.seq, width=args.width, heads=args.heads,
-        blocks=max(args.blocks), ff_width=args.ff_width,
+        batch=args.batch, seq=args.max_len, width=args.width, heads=args.n_heads,
+        blocks=max(args.n_blocks), ff_width=args.ff_width,
     )
 
 
@@ -64,24 +64,24 @@ def with_device_flags(env: dict[str, str], n: int) -> dict[str, str]:
     return {**env, "JAX_NUM_CPU_DEVICES": str(n)}
 
 
-def worker_request(args: BenchArgs, task: str, blocks: int) -> str:
+def worker_request(args: BenchArgs, task: str, n_blocks: int) -> str:
     """The JSON a worker reads from stdin: the settings whole, the task and the depth."""
-    return json.dumps({"task": task, "blocks": blocks, "args": json.loads(args.to_json())})
+    return json.dumps({"task": task, "n_blocks": n_blocks, "args": json.loads(args.to_json())})
 
 
 def read_worker_request(text: str) -> tuple[BenchArgs, str, int]:
-    """`(args, task, blocks)` from `worker_request`'s JSON; `args` equals the parent's."""
+    """`(args, task, n_blocks)` from `worker_request`'s JSON; `args` equals the parent's."""
     request = json.loads(text)
-    return BenchArgs.from_json(json.dumps(request["args"])), request["task"], request["blocks"]
+    return BenchArgs.from_json(json.dumps(request["args"])), request["task"], request["n_blocks"]
 
 
-def in_subprocess(args: BenchArgs, task: str, blocks: int) -> dict[str, Any]:
+def in_subprocess(args: BenchArgs, task: str, n_blocks: int) -> dict[str, Any]:
     """One measurement in a fresh worker process.
 
     Args:
         args: the bench's settings, handed to the worker whole.
         task: a variant's name, `"peak"` or `"donation"`.
-        blocks: the number of GPT blocks.
+        n_blocks: the number of GPT blocks.
 
     Returns:
         The row the worker printed.
@@ -97,13 +97,13 @@ def in_subprocess(args: BenchArgs, task: str, blocks: int) -> dict[str, Any]:
 
         env.update(host_memory_env())  # read by glibc when the worker starts
     done = subprocess.run(
-        command, input=worker_request(args, task, blocks), capture_output=True, text=True,
+        command, input=worker_request(args, task, n_blocks), capture_output=True, text=True,
         env=env,
     )
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
         raise RuntimeError(
-            f"bench worker for {task!r} (blocks={blocks}) failed with exit code "
+            f"bench worker for {task!r} (n_blocks={n_blocks}) failed with exit code "
             f"{done.returncode}:\n{done.stderr[-4000:]}"
         )
     return json.loads(rows[-1])
@@ -124,12 +124,12 @@ def worker_main(stdin=None) -> int:
     Returns:
         0.
     """
-    args, task, blocks = read_worker_request((stdin or sys.stdin).read())
+    args, task, n_blocks = read_worker_request((stdin or sys.stdin).read())
     # jax starts here; the device count came with the environment, it is set again for a
     # worker started by hand
     if args.devices > 1:
         from fusedpc.training import emulate_cpu_devices
 
         emulate_cpu_devices(args.devices)
-    emit(run_task(args, task, blocks))
+    emit(run_task(args, task, n_blocks))
     return 0
