@@ -5,6 +5,10 @@ docs/calibration.md).
     python scripts/calibration_study.py --quick                   # a sample, < 5 minutes
     python scripts/calibration_study.py --text my.txt             # the full study, ~30 minutes
 
+The package's `calibration_evidence.json` (what `fusedpc report` suggests from) is this
+study's summary; docs/calibration.md gives the command that writes it (`--evidence PATH`),
+and `--evidence-from JSONL OUT.json` writes it from a finished study's `calibration.jsonl`.
+
 Prints one JSON line per run and one summary line per cell and method (also written to
 `--out`/calibration.jsonl, with a plot in `--out`/calibration.png); progress goes to stderr.
 
@@ -518,7 +522,7 @@ def names(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
     return chosen
 
 
-def parse(argv: list[str] | None) -> tuple[Study, list[str], str]:
+def parse(argv: list[str] | None) -> tuple[Study, list[str], str, str | None]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="a sample in under 5 minutes: 300 steps, 2 seeds, preset all, the "
@@ -545,7 +549,11 @@ def parse(argv: list[str] | None) -> tuple[Study, list[str], str]:
     p.add_argument("--window", type=int, default=100,
                    help="synaptic_uncertainty's learning_kwargs['window'] (default 100)")
     p.add_argument("--out", default="runs/calibration_study",
-                   help="folder for calibration.jsonl and calibration.png")
+                   help="folder for calibration.jsonl, calibration_evidence.json and "
+                        "calibration.png")
+    p.add_argument("--evidence", default=None, metavar="PATH",
+                   help="also write the evidence file here (the package's: "
+                        "src/fusedpc/training/calibration_evidence.json)")
     a = p.parse_args(argv)
     steps = a.steps or (300 if a.quick else 1200)
     seeds = a.seeds or ("0,1" if a.quick else "0,1,2")
@@ -571,7 +579,7 @@ def parse(argv: list[str] | None) -> tuple[Study, list[str], str]:
         raise SystemExit(f"--warmup: the warm-up ({study.warmup} steps) must lie inside the "
                          f"budget ({study.steps}); raise --steps or lower --warmup.")
     texts = [data.DEFAULT_TEXT] + ([a.text] if a.text else [])
-    return study, texts, a.out
+    return study, texts, a.out, a.evidence
 
 
 def write_evidence(jsonl: str, path: str) -> None:
@@ -601,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("usage: calibration_study.py --evidence-from JSONL OUT.json")
         write_evidence(argv[1], argv[2])
         return 0
-    study, paths, out = parse(argv)
+    study, paths, out, evidence = parse(argv)
     os.makedirs(out, exist_ok=True)
     jsonl = open(os.path.join(out, "calibration.jsonl"), "w", encoding="utf-8")
 
@@ -667,8 +675,8 @@ def main(argv: list[str] | None = None) -> int:
         emit(line)
     emit({"kind": "done", "wall_s": round(time.perf_counter() - began, 1)})
     jsonl.close()
-    write_evidence(os.path.join(out, "calibration.jsonl"),
-                   os.path.join(out, "calibration_evidence.json"))
+    for path in filter(None, (os.path.join(out, "calibration_evidence.json"), evidence)):
+        write_evidence(os.path.join(out, "calibration.jsonl"), path)
     plot(summary, os.path.join(out, "calibration.png"))
     say(f"wrote {os.path.join(out, 'calibration.jsonl')} and calibration.png "
         f"in {time.perf_counter() - began:.0f} s")
