@@ -193,8 +193,10 @@ class DeltaLinear(fusedpc.AbstractPart):
     Backward, with $E$ the descent error at the output and $R$ rows (leading axes flattened):
     $\partial L/\partial x = E W$ (per row, with the weight before the step);
     $g_W = \tfrac1R E^\top x$, $g_b = \tfrac1R \sum_r E_r$ (the mean over rows, the gradient
-    of the loss averaged over rows); the update is `optimiser.update(g, opt_state, params)`.
-    Only public fusedpc names are used, as a user's own part would.
+    of the loss averaged over rows); the update is `ctx.optimiser_step(...)`, the step
+    context's optimiser step. Only public fusedpc names are used, as a user's own part would;
+    it declares no `defers_updates` (the default, False), so a `Repeat` of it keeps each
+    block's optimiser step its own.
     """
 
     weight: jax.Array
@@ -210,25 +212,22 @@ class DeltaLinear(fusedpc.AbstractPart):
         out_width, in_width = self.weight.shape
         where = path or "<root>"
 
-        def forward(state: DeltaLinearState, x):
+        def forward(state: DeltaLinearState, x, ctx):
             if x.shape[-1] != in_width:
                 raise ValueError(
                     f"{where}: expected input of shape (..., {in_width}), got {x.shape}."
                 )
-            return x @ state.params["weight"].T + state.params["bias"], x
+            return ctx.matmul(x, state.params["weight"].T) + state.params["bias"], x
 
-        def backward(state: DeltaLinearState, x, error):
+        def backward(state: DeltaLinearState, x, error, ctx):
             rows_x = x.reshape(-1, in_width)
             rows_e = error.reshape(-1, out_width)
             n = rows_x.shape[0]
             grads = {"weight": rows_e.T @ rows_x / n, "bias": jnp.sum(rows_e, axis=0) / n}
-            input_error = error @ state.params["weight"]
-            # optax's adam mixes Python floats with its int32 step count, which the tests'
-            # strict dtype promotion rejects; "standard" is JAX's default, so no-op for users.
-            with jax.numpy_dtype_promotion("standard"):
-                updates, opt_state = self.optimiser.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            metrics = fusedpc.core.learning_metrics(
+            input_error = ctx.matmul(error, state.params["weight"])
+            params, opt_state = ctx.optimiser_step(self.optimiser, state.params, grads,
+                                                   state.opt_state)
+            metrics = ctx.learning_metrics(
                 state.params, params, error, input_error, (in_width, out_width)
             )
             return input_error, DeltaLinearState(params, opt_state), metrics
@@ -264,10 +263,10 @@ class Spy(fusedpc.AbstractPart):
         return SpyState(jnp.zeros(self.shape, jnp.float32))
 
     def compile(self, path: str) -> fusedpc.Core:
-        def forward(state, x):
+        def forward(state, x, ctx):
             return x, None
 
-        def backward(state, cache, error):
+        def backward(state, cache, error, ctx):
             finite = fusedpc.core.FiniteFlag(jnp.all(jnp.isfinite(error)))
             return error, SpyState(error), finite
 

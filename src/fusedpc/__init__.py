@@ -25,6 +25,7 @@ from fusedpc.execution import StepCarry as StepCarry
 from fusedpc.execution import StepMetrics as StepMetrics
 from fusedpc.execution import StepOutput as StepOutput
 from fusedpc.execution import StepProgram as StepProgram
+from fusedpc.execution import StepSettings as StepSettings
 from fusedpc.execution import data_mesh as data_mesh
 from fusedpc.execution import initialize_distributed as initialize_distributed
 from fusedpc.execution import load_checkpoint as load_checkpoint

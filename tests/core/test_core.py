@@ -12,24 +12,24 @@ import numpy as np
 import pytest
 
 import fusedpc
-from fusedpc.core._checks import expect_last_axis, expect_rank
-from fusedpc.core._metrics import (
+from fusedpc.core import (
+    Measured,
     PendingFinite,
     PendingNorm,
+    StepContext,
     all_finite,
-    dot_squares,
+    display_path,
+    expect_last_axis,
+    expect_rank,
     iter_metrics,
-    leaf_norm_finite,
-    measured_together,
-    measuring,
+    join_path,
+    replace_fields,
     resolve_pending,
     stack_metrics,
-    state_norms_finite,
-    sums_of_squares,
     tree_norm,
-    tree_norms,
 )
-from fusedpc.core._part import display_path, join_path, replace_fields
+from fusedpc.core._measured import state_norms_finite
+from fusedpc.core._norms import dot_squares, leaf_norm_finite, sums_of_squares, tree_norms
 
 
 def test_join_and_display_path():
@@ -196,12 +196,11 @@ def test_learning_metrics_measured_later_equal_measured_at_once():
     now = fusedpc.core.learning_metrics(old, new, error, input_error, (4, 3))
 
     def later(old, new, error, input_error):
-        with measured_together() as measured:
-            pending = fusedpc.core.learning_metrics(
-                old, new, error, input_error, (4, 3), measure_later=True)
-            # the error registered again (as another part's input error): measured once
-            again = fusedpc.core.learning_metrics(
-                new, new, error, None, (3,), measure_later=True)
+        ctx = StepContext(measured=Measured())
+        measured = ctx.measured
+        pending = ctx.learning_metrics(old, new, error, input_error, (4, 3))
+        # the error registered again (as another part's input error): measured once
+        again = ctx.learning_metrics(new, new, error, None, (3,))
         assert isinstance(pending.update_norm, PendingNorm)
         assert isinstance(pending.finite, PendingFinite)
         return resolve_pending((pending, again), measured)
@@ -212,29 +211,37 @@ def test_learning_metrics_measured_later_equal_measured_at_once():
                                    rtol=1e-6)
     assert bool(got.finite) and got.layer_sizes == (4, 3)
     assert float(again.update_norm) == 0.0 and float(again.error_norm) == float(got.error_norm)
-    # without an open `measured_together`, measure_later measures at once
-    assert measuring() is None
-    direct = fusedpc.core.learning_metrics(old, new, error, None, (4, 3), measure_later=True)
+    # without a norm collection in the context, the norms are measured at once
+    assert StepContext().measured is None
+    direct = StepContext().learning_metrics(old, new, error, None, (4, 3))
     assert float(direct.error_norm) == pytest.approx(float(now.error_norm))
-    # in another trace than the collection's (a scan body of a part of your own that opened
-    # none), a part's norms are measured at once: nothing pending leaks out of the body
+    # in another trace than the collection's (a scan body of a part of your own), the part
+    # hands its children `ctx.for_inner_trace()`: their norms are measured at once and
+    # nothing pending leaks out of the body
 
     def scanned(error):
-        with measured_together():
-            def body(carry, e):
-                m = fusedpc.core.learning_metrics(old, new, e, None, (4, 3), measure_later=True)
-                assert not isinstance(m.error_norm, PendingNorm)
-                return carry, m.error_norm
-            return jax.lax.scan(body, 0.0, jnp.stack([error, 2 * error]))[1]
+        ctx = StepContext(measured=Measured())
+
+        def body(carry, e):
+            inner = ctx.for_inner_trace()
+            assert inner.measured is None and ctx.measured is not None
+            m = inner.learning_metrics(old, new, e, None, (4, 3))
+            assert not isinstance(m.error_norm, PendingNorm)
+            return carry, m.error_norm
+        return jax.lax.scan(body, 0.0, jnp.stack([error, 2 * error]))[1]
 
     norms = jax.jit(scanned)(error)
     expected = [float(now.error_norm), 2 * float(now.error_norm)]
     np.testing.assert_allclose(np.asarray(norms), expected, rtol=1e-6)
     # a non-finite input error still names the part
-    with measured_together() as measured:
-        bad = fusedpc.core.learning_metrics(
-            old, new, error, input_error.at[0, 0].set(jnp.inf), (4, 3), measure_later=True)
-    assert not bool(resolve_pending(bad, measured).finite)
+    ctx = StepContext(measured=Measured())
+    bad = ctx.learning_metrics(old, new, error, input_error.at[0, 0].set(jnp.inf), (4, 3))
+    assert not bool(resolve_pending(bad, ctx.measured).finite)
+    # the release-0.3 keyword still runs, with a deprecation warning, and measures at once
+    with pytest.warns(DeprecationWarning, match="measure_later"):
+        legacy = fusedpc.core.learning_metrics(old, new, error, None, (4, 3),
+                                               measure_later=True)
+    assert float(legacy.error_norm) == pytest.approx(float(now.error_norm))
 
 
 def test_measured_rows_of_a_stack_are_the_rows_own_sums():
@@ -243,14 +250,15 @@ def test_measured_rows_of_a_stack_are_the_rows_own_sums():
     rows_new = [r * 1.5 + 0.25 for r in rows_old]
 
     def measure(rows_old, rows_new):
-        with measured_together() as measured:
-            stacked_old, stacked_new = jnp.stack(rows_old), jnp.stack(rows_new)
-            metrics = [fusedpc.core.learning_metrics(
-                o, n, n, None, (2,), measure_later=True) for o, n in zip(rows_old, rows_new)]
-            measured.rows_of(rows_old, stacked_old)
-            measured.rows_of(rows_new, stacked_new)
-            whole = measured.add(stacked_new)  # the commit rule's check of the stacked leaf
-            stacked = stack_metrics(metrics)
+        ctx = StepContext(measured=Measured())
+        measured = ctx.measured
+        stacked_old, stacked_new = jnp.stack(rows_old), jnp.stack(rows_new)
+        metrics = [ctx.learning_metrics(o, n, n, None, (2,))
+                   for o, n in zip(rows_old, rows_new)]
+        measured.rows_of(rows_old, stacked_old)
+        measured.rows_of(rows_new, stacked_new)
+        whole = measured.add(stacked_new)  # the commit rule's check of the stacked leaf
+        stacked = stack_metrics(metrics)
         assert isinstance(stacked.update_norm, PendingNorm)
         assert isinstance(stacked.update_norm.slot, np.ndarray)  # known while tracing
         totals = measured.totals()

@@ -1,4 +1,4 @@
-"""Report values measured and packed together (`fusedpc.core._metrics.row_squares`,
+"""Report values measured and packed together (`fusedpc.core._norms.row_squares`,
 `segment_squares`, `gather_sums`; `fusedpc.core._packed.Packed`)."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import numpy as np
 import optax
 
 import fusedpc
-from fusedpc.core._metrics import (
+from fusedpc.core import Packed
+from fusedpc.core._norms import (
     SMALL_ROWS,
     gather_sums,
     row_squares,
     segment_squares,
     sums_finite_vector,
 )
-from fusedpc.core._packed import Packed
 
 
 def _expected(a: np.ndarray, kept: int) -> np.ndarray:

@@ -26,16 +26,15 @@ import optax
 import pytest
 
 import fusedpc
-from fusedpc.core._metrics import FiniteFlag
-from fusedpc.core._part import Core
-from fusedpc.execution import _checkpoint
-from fusedpc.execution._checkpoint import (
-    FORMAT_VERSION,
+from fusedpc.core import Core, FiniteFlag
+from fusedpc.execution import (
     CheckpointError,
+    _checkpoint,
     load_checkpoint,
     read_checkpoint_manifest,
     save_checkpoint,
 )
+from fusedpc.execution._checkpoint import FORMAT_VERSION
 
 
 # --------------------------------------------------------------------------- trees and helpers
@@ -242,10 +241,10 @@ class Noise(fusedpc.AbstractPart):
         return NoiseState(key=jax.random.fold_in(key, 7))
 
     def compile(self, path):
-        def forward(state, x):
+        def forward(state, x, ctx):
             return x + self.scale * jax.random.normal(state.key, x.shape, x.dtype), None
 
-        def backward(state, cache, error):
+        def backward(state, cache, error, ctx):
             new = NoiseState(key=jax.random.split(state.key)[0])
             return error, new, FiniteFlag(finite=jnp.all(jnp.isfinite(error)))
 

@@ -22,7 +22,7 @@ from helpers import (
 
 import fusedpc
 from fusedpc import frozen
-from fusedpc.core._checks import expect_rank
+from fusedpc.core import expect_rank
 
 
 def _learning_tree() -> fusedpc.Sequential:
@@ -321,11 +321,11 @@ class NeedsSequence(fusedpc.AbstractPart):
         return None
 
     def compile(self, path):
-        def forward(state, x):
+        def forward(state, x, ctx):
             expect_rank(path, x, 3, "(batch, seq, features)")
             return x, None
 
-        def backward(state, cache, error):
+        def backward(state, cache, error, ctx):
             return error, state, fusedpc.core.FiniteFlag(jnp.all(jnp.isfinite(error)))
 
         return fusedpc.Core(forward, backward, lambda state: self)

@@ -284,7 +284,7 @@ def test_loss_spike_guard_refuses_a_spike_after_its_warm_up():
     spike = t + 100.0
     pipeline.step(x, spike)  # before the warm-up the guard lets anything finite through
     assert bool(pipeline.last_metrics.committed)
-    for _ in range(fusedpc.execution._program.LOSS_SPIKE_WARMUP):
+    for _ in range(fusedpc.execution._step_types.LOSS_SPIKE_WARMUP):
         pipeline.step(x, t)
     mean = pipeline.loss_mean
     assert mean is not None and np.isfinite(mean)

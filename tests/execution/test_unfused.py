@@ -7,7 +7,8 @@ import pytest
 from helpers import assert_tree_allclose
 
 import fusedpc
-from fusedpc.execution._unfused import JitLeaf, UnfusedPipeline, is_composite, unfused
+from fusedpc.execution import UnfusedPipeline
+from fusedpc.execution._unfused import JitLeaf, is_composite, unfused
 
 
 def _leaves(tree):

@@ -15,7 +15,7 @@ from helpers import GPT_IDS, linear_params, normal
 
 import fusedpc
 from fusedpc.parts import frozen, transplant
-from fusedpc.parts.learning._rms_norm import LearningRMSNorm
+from fusedpc.parts.learning import LearningRMSNorm
 
 Case = Callable[[], tuple[fusedpc.AbstractPart, jax.Array]]
 

@@ -11,11 +11,9 @@ from helpers import DeltaLinear, assert_tree_allclose
 
 import fusedpc
 from fusedpc import frozen
-from fusedpc.parts._attention import (
-    AttentionCache,
-    AttentionState,
-    DotProductAttentionCache,
-    MultiHeadAttention,
+from fusedpc.parts import AttentionCache, AttentionState, MultiHeadAttention
+from fusedpc.parts._attention import DotProductAttentionCache
+from fusedpc.parts._attention_mixing import (
     causal_mix,
     causal_mix_backward,
     causal_mix_backward_rows,
@@ -25,6 +23,8 @@ from fusedpc.parts._attention import (
     causal_tiles_for,
 )
 from fusedpc.transformer.reference import CausalSelfAttention
+
+CTX = fusedpc.core.StepContext()  # the plain step context, for cores run by hand
 
 B, T, D, H = 2, 5, 8, 2
 
@@ -100,8 +100,8 @@ def run_part(part, x, error):
 
     @jax.jit
     def both(state, x, error):
-        y, cache = core.forward(state, x)
-        return y, core.backward(state, cache, error)
+        y, cache = core.forward(state, x, CTX)
+        return y, core.backward(state, cache, error, CTX)
 
     return core, state, *both(state, x, error)
 
@@ -122,7 +122,7 @@ def test_backward_matches_vjp(fused):
     part = frozen_attention(reference(), fused)
     x, error = batch(1), batch(2)
     core, state, _, (input_error, new_state, metrics) = run_part(part, x, error)
-    _, vjp = jax.vjp(lambda inp: core.forward(state, inp)[0], x)
+    _, vjp = jax.vjp(lambda inp: core.forward(state, inp, CTX)[0], x)
     (expected,) = vjp(error)
     assert_tree_allclose(input_error, expected, rtol=1e-4, atol=1e-5)
     assert metrics.names == (("wqkv", "wo") if fused else ("wq", "wk", "wv", "wo"))
@@ -182,7 +182,7 @@ def test_attention_part_in_causal_tiles_equals_one_tile():
         assert_tree_allclose(runs[tiles][3][0], runs[1][3][0], rtol=1e-5, atol=1e-6)
     # and the part's backward is still the vjp of its forward
     core, state, _, (input_error, _, _) = runs[4]
-    _, vjp = jax.vjp(lambda inp: core.forward(state, inp)[0], x)
+    _, vjp = jax.vjp(lambda inp: core.forward(state, inp, CTX)[0], x)
     assert_tree_allclose(input_error, vjp(error)[0], rtol=1e-4, atol=1e-5)
 
 
@@ -265,8 +265,8 @@ def test_causal_an_earlier_output_ignores_later_tokens():
     core, state = part.compile(""), part.init_state(jr.key(0))
     x = batch(1)
     changed = x.at[:, 3].set(jr.normal(jr.key(9), (B, D)))
-    y, _ = core.forward(state, x)
-    y_changed, _ = core.forward(state, changed)
+    y, _ = core.forward(state, x, CTX)
+    y_changed, _ = core.forward(state, changed, CTX)
     np.testing.assert_array_equal(y_changed[:, :3], y[:, :3])
     assert not np.allclose(y_changed[:, 3:], y[:, 3:], atol=1e-3)
 
@@ -372,7 +372,7 @@ def test_part_with_dot_product_mixing_equals_tiles(seq, n_heads, fused):
     assert_tree_allclose(e_dpa, e, **MIX_TOL)
     assert_tree_allclose(new_dpa, new_state, **MIX_TOL)
     assert metrics.names == (("wqkv", "wo") if fused else ("wq", "wk", "wv", "wo"))
-    _, vjp = jax.vjp(lambda inp: core.forward(state, inp)[0], x)
+    _, vjp = jax.vjp(lambda inp: core.forward(state, inp, CTX)[0], x)
     assert_tree_allclose(e_dpa, vjp(error)[0], **MIX_TOL)
 
 
@@ -382,7 +382,8 @@ def test_dot_product_mixing_cache_holds_no_t_by_t_array():
     part = frozen_attention(ref, False)
 
     def cache_of(p):
-        return jax.eval_shape(p.compile("").forward, p.init_state(jr.key(0)), x)[1]
+        core = p.compile("")
+        return jax.eval_shape(lambda s, x: core.forward(s, x, CTX), p.init_state(jr.key(0)), x)[1]
 
     def square(cache):  # leaves with two sequence-long axes (>= T/2: the tiles' (T/2, T) too)
         return [
@@ -530,7 +531,8 @@ def test_construction_errors():
 
 
 def _trace(part, x, path="net.attention"):
-    return jax.eval_shape(part.compile(path).forward, part.init_state(jr.key(0)), x)[0]
+    core = part.compile(path)
+    return jax.eval_shape(lambda s, v: core.forward(s, v, CTX), part.init_state(jr.key(0)), x)[0]
 
 
 def test_trace_errors_name_the_path():

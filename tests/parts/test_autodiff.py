@@ -19,15 +19,17 @@ from fusedpc.core import LinearParams
 from fusedpc.frozen import from_function, from_module
 from fusedpc.parts import AutodiffCache, AutodiffFrozen
 
+CTX = fusedpc.core.StepContext()  # the plain step context, for cores run by hand
+
 X = normal(0, (2, 3, 4))  # two leading row axes
 
 
 def _forward_backward(part, x, error=None):
     core = part.compile("")
     state = part.init_state(jax.random.key(0))
-    y, cache = core.forward(state, x)
+    y, cache = core.forward(state, x, CTX)
     error = normal(9, y.shape) if error is None else error
-    input_error, new_state, metrics = core.backward(state, cache, error)
+    input_error, new_state, metrics = core.backward(state, cache, error, CTX)
     return y, cache, error, input_error, new_state, metrics
 
 
@@ -148,18 +150,18 @@ def test_per_row_output_shapes_are_checked_and_name_the_part():
     # A single-example module given the whole batch: its matmul sees the rows.
     whole = from_module(eqx.nn.Linear(4, 3, key=jax.random.key(1)), per_row=False)
     with pytest.raises(ValueError, match=r"^blocks\[1\]: the forward of frozen part 'Linear'"):
-        whole.compile("blocks[1]").forward(state, jnp.ones((2, 5, 3), jnp.float32))
+        whole.compile("blocks[1]").forward(state, jnp.ones((2, 5, 3), jnp.float32), CTX)
     # A row that maps to a scalar, and a batch function that drops the rows.
     to_scalar = from_function(lambda p, x: jnp.sum(x), None, per_row=True, name="summed")
     with pytest.raises(ValueError, match=r"^ff: frozen part 'summed' must return one array"):
-        to_scalar.compile("ff").forward(to_scalar.init_state(jax.random.key(0)), X)
+        to_scalar.compile("ff").forward(to_scalar.init_state(jax.random.key(0)), X, CTX)
     pooled = from_function(lambda p, x: x[:1], None, name="pooled")
     rows_kept = r"must keep the input's rows \(2, 3\), got an output of shape \(1, 3, 4\)"
     with pytest.raises(ValueError, match=rows_kept):
-        pooled.compile("ff").forward(pooled.init_state(jax.random.key(0)), X)
+        pooled.compile("ff").forward(pooled.init_state(jax.random.key(0)), X, CTX)
     checked = from_module(layer, in_width=4)
     with pytest.raises(ValueError, match=r"^head: expected input of shape \(\.\.\., 4\)"):
-        checked.compile("head").forward(state, jnp.ones((2, 5), jnp.float32))
+        checked.compile("head").forward(state, jnp.ones((2, 5), jnp.float32), CTX)
 
 
 def test_integer_ids_have_no_input_error():

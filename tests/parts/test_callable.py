@@ -16,6 +16,8 @@ import fusedpc
 from fusedpc import frozen
 from fusedpc.core import PartModule, as_module, state_drawn_from_key
 
+CTX = fusedpc.core.StepContext()  # the plain step context, for cores run by hand
+
 X = normal(0, (6, 4))
 
 
@@ -40,7 +42,7 @@ class Rows(eqx.Module):
 
 
 def _forward(part, x):
-    return part.compile("").forward(part.init_state(jax.random.key(0)), x)[0]
+    return part.compile("").forward(part.init_state(jax.random.key(0)), x, CTX)[0]
 
 
 def _untrained_tree() -> fusedpc.AbstractPart:

@@ -19,7 +19,9 @@ from helpers import (
 
 import fusedpc
 from fusedpc import frozen
-from fusedpc.core._metrics import iter_metrics
+from fusedpc.core import iter_metrics
+
+CTX = fusedpc.core.StepContext()  # the plain step context, for cores run by hand
 
 
 def _run(part, x, error):
@@ -29,8 +31,8 @@ def _run(part, x, error):
 
     @jax.jit
     def forward_backward(state, x, error):
-        y, cache = core.forward(state, x)
-        return y, *core.backward(state, cache, error)
+        y, cache = core.forward(state, x, CTX)
+        return y, *core.backward(state, cache, error, CTX)
 
     return core, state, *forward_backward(state, x, error)
 
@@ -137,7 +139,7 @@ def test_nested_composites_jit():
     core = tree.compile("")
     state = tree.init_state(jax.random.key(0))
     x = normal(0, (6, 4))
-    y = jax.jit(lambda s, v: core.forward(s, v)[0])(state, x)
+    y = jax.jit(lambda s, v: core.forward(s, v, CTX)[0])(state, x)
     # Residual(Residual(tanh)): y = x + (x + tanh x); then a plain layer norm.
     h = 2.0 * x + jnp.tanh(x)
     h = (h - h.mean(-1, keepdims=True)) / jnp.sqrt(h.var(-1, keepdims=True) + 1e-5)

@@ -31,6 +31,8 @@ from helpers import (
 
 import fusedpc
 
+CTX = fusedpc.core.StepContext()  # the plain step context, for cores run by hand
+
 
 def _attention_dot_product_mixing() -> tuple[fusedpc.AbstractPart, jax.Array]:
     """The fused learning attention case with `mixing="dot_product_attention"` (its
@@ -80,9 +82,9 @@ def _reference(name: str) -> Reference:
     assert isinstance(part, fusedpc.AbstractPart), f"{name}: the factory must return a part"
     core = part.compile("")
     state = part.init_state(jax.random.key(0))
-    y, cache = core.forward(state, x)
+    y, cache = core.forward(state, x, CTX)
     error = normal(999, y.shape).astype(y.dtype)
-    input_error, new_state, metrics = core.backward(state, cache, error)
+    input_error, new_state, metrics = core.backward(state, cache, error, CTX)
     return Reference(part, x, core, state, error, y, input_error, new_state, metrics)
 
 
@@ -94,7 +96,7 @@ def _is_float(x) -> bool:
 def test_output_shapes(name):
     ref = _reference(name)
     x, y = ref.x, ref.y
-    abstract_y, _ = jax.eval_shape(ref.core.forward, ref.state, x)
+    abstract_y, _ = jax.eval_shape(lambda s, x: ref.core.forward(s, x, CTX), ref.state, x)
     assert (y.shape, y.dtype) == (abstract_y.shape, abstract_y.dtype)
     # Every leading axis is a row: rows in, rows out (token ids: every axis is a row). An
     # image's rows are the axes before (height, width, channels): parts that pool, stride or
@@ -120,8 +122,8 @@ def test_jit_and_no_jit_agree(name):
     core = ref.core
 
     def forward_backward(state, x, error):
-        y, cache = core.forward(state, x)
-        input_error, new_state, metrics = core.backward(state, cache, error)
+        y, cache = core.forward(state, x, CTX)
+        input_error, new_state, metrics = core.backward(state, cache, error, CTX)
         return y, input_error, new_state, metrics
 
     jitted = jax.jit(forward_backward)(ref.state, ref.x, ref.error)
@@ -146,7 +148,7 @@ def _check_embedding_output_error(name: str, ref: Reference) -> None:
         state = eqx.tree_at(lambda s: s.token.table, ref.state, token_table)
         if position_table is not None:  # a GPT with rotary positions has no position table
             state = eqx.tree_at(lambda s: s.position.table, state, position_table)
-        return ref.core.forward(state, ids)[0]
+        return ref.core.forward(state, ids, CTX)[0]
 
     position = None if ref.state.position is None else ref.state.position.table
     _, vjp = jax.vjp(forward, ref.state.token.table, position)
@@ -175,7 +177,7 @@ def test_backward_matches_vjp(name):
     worst = fusedpc.check_backward(ref.part, ref.x, error=ref.error, state=ref.state)
     assert worst <= 1e-5, f"{name}: check_backward reports {worst:.2e}"
 
-    _, vjp = jax.vjp(lambda inp: ref.core.forward(ref.state, inp)[0], ref.x)
+    _, vjp = jax.vjp(lambda inp: ref.core.forward(ref.state, inp, CTX)[0], ref.x)
     (reference,) = vjp(ref.error)
     # atol: entries that cancel to ~0 carry the float32 rounding of O(1) terms.
     assert_tree_allclose(ref.input_error, reference, rtol=1e-5, atol=1e-6)

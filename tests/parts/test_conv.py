@@ -31,6 +31,8 @@ from fusedpc.parts import conv
 from fusedpc.training.shapes import SHAPES, make_shapes
 from fusedpc.transplant import from_conv2d
 
+CTX = fusedpc.core.StepContext()  # the plain step context, for cores run by hand
+
 DIMENSIONS = ("NHWC", "HWIO", "NHWC")
 
 
@@ -52,9 +54,9 @@ def forward_backward(part, x, error=None, state=None, *, jit=True):
     state = part.init_state(jax.random.key(0)) if state is None else state
 
     def run(state, x, error):
-        y, cache = core.forward(state, x)
+        y, cache = core.forward(state, x, CTX)
         input_error, new_state, metrics = core.backward(state, cache,
-                                                        y if error is None else error)
+                                                        y if error is None else error, CTX)
         return y, input_error, new_state, metrics
 
     return (jax.jit(run) if jit else run)(state, x, error)
@@ -63,7 +65,7 @@ def forward_backward(part, x, error=None, state=None, *, jit=True):
 def vjp_input_error(part, x, error):
     core = part.compile("")
     state = part.init_state(jax.random.key(0))
-    return jax.vjp(lambda inp: core.forward(state, inp)[0], x)[1](error)[0]
+    return jax.vjp(lambda inp: core.forward(state, inp, CTX)[0], x)[1](error)[0]
 
 
 # --------------------------------------------------------------------------- frozen parts
@@ -108,9 +110,9 @@ def test_pools_match_reduce_window_and_their_vjp(window, stride):
     def run(x):
         results = []
         for core in cores:
-            y, cache = core.forward(state, x)
-            input_error = core.backward(state, cache, y)[0]
-            _, vjp = jax.vjp(lambda inp, core=core: core.forward(state, inp)[0], x)
+            y, cache = core.forward(state, x, CTX)
+            input_error = core.backward(state, cache, y, CTX)[0]
+            _, vjp = jax.vjp(lambda inp, core=core: core.forward(state, inp, CTX)[0], x)
             results.append((y, input_error, vjp(y)[0]))
         references = (
             jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, steps, "VALID"),
@@ -167,14 +169,14 @@ def _message(fn) -> str:
 def test_bad_inputs_name_the_argument_the_expected_and_the_actual_value():
     part = conv.conv2d(normal(9, (3, 3, 2, 4)))
     core, state = part.compile("parts[1]"), part.init_state(jax.random.key(0))
-    message = _message(lambda: core.forward(state, jnp.zeros((4, 6, 2), jnp.float32)))
+    message = _message(lambda: core.forward(state, jnp.zeros((4, 6, 2), jnp.float32), CTX))
     assert "parts[1]" in message and "(batch, height, width, channels)" in message
     assert "(4, 6, 2)" in message
-    message = _message(lambda: core.forward(state, jnp.zeros((1, 6, 6, 3), jnp.float32)))
+    message = _message(lambda: core.forward(state, jnp.zeros((1, 6, 6, 3), jnp.float32), CTX))
     assert "parts[1]" in message and "(..., 2)" in message and "(1, 6, 6, 3)" in message
     valid = conv.conv2d(normal(9, (3, 3, 2, 4)), padding="VALID")
     message = _message(lambda: valid.compile("parts[2]").forward(
-        valid.init_state(jax.random.key(0)), jnp.zeros((1, 2, 5, 2), jnp.float32)))
+        valid.init_state(jax.random.key(0)), jnp.zeros((1, 2, 5, 2), jnp.float32), CTX))
     assert "parts[2]" in message and "3x3 window does not fit" in message and "2x5" in message
     assert "padding" in _message(lambda: conv.conv2d(normal(9, (3, 3, 2, 4)), padding="FULL"))
     assert "'FULL'" in _message(lambda: conv.conv2d(normal(9, (3, 3, 2, 4)), padding="FULL"))
@@ -199,7 +201,7 @@ def test_bad_inputs_name_the_argument_the_expected_and_the_actual_value():
     lcore = learning.compile("parts[0]")
     message = _message(
         lambda: lcore.forward(learning.init_state(jax.random.key(0)),
-                              jnp.zeros((1, 6, 6, 3), jnp.float32)))
+                              jnp.zeros((1, 6, 6, 3), jnp.float32), CTX))
     assert "parts[0]" in message and "2 channels" in message and "(1, 6, 6, 3)" in message
 
 
@@ -274,8 +276,8 @@ def _train_scanned(part, xs, targets):
 
     def body(state, batch):
         x, target = batch
-        y, cache = core.forward(state, x)
-        _, state, _ = core.backward(state, cache, y - target)
+        y, cache = core.forward(state, x, CTX)
+        _, state, _ = core.backward(state, cache, y - target, CTX)
         return state, 0.5 * jnp.mean(jnp.sum((y - target) ** 2, axis=(1, 2, 3)))
 
     _, losses = jax.jit(lambda s: jax.lax.scan(body, s, (xs, targets)))(

@@ -17,11 +17,13 @@ import fusedpc
 from fusedpc import frozen
 from fusedpc.parts._activations import ACTIVATIONS
 
+CTX = fusedpc.core.StepContext()  # the plain step context, for cores run by hand
+
 X = normal(0, (2, 3, 4))  # two leading row axes
 
 
 def _forward(part, x):
-    return part.compile("").forward(part.init_state(jax.random.key(0)), x)[0]
+    return part.compile("").forward(part.init_state(jax.random.key(0)), x, CTX)[0]
 
 
 def _rows(fn, x):
@@ -100,8 +102,8 @@ def test_params_live_in_the_state_not_in_closures():
     state = part.init_state(jax.random.key(0))
     assert isinstance(state, fusedpc.FrozenState) and state.params is part.params
     doubled = fusedpc.FrozenState({"a": 2.0 * state.params["a"], "c": state.params["c"]})
-    y, _ = core.forward(state, X)
-    y2, _ = core.forward(doubled, X)
+    y, _ = core.forward(state, X, CTX)
+    y2, _ = core.forward(doubled, X, CTX)
     assert_tree_allclose(
         y2 - state.params["c"], 2.0 * (y - state.params["c"]), rtol=1e-5, atol=1e-6
     )
@@ -248,10 +250,11 @@ def test_check_backward_raises_no_false_alarm_where_float32_cannot_resolve_a_row
     core = part.compile("")
 
     def off_by_one_percent_on_row_5(params, cache, error):
-        right = core.backward(params, cache, error)[0]
+        right = core.backward(params, cache, error, CTX)[0]
         return right.at[5].multiply(1.01)
 
-    wrong = fusedpc.Frozen(lambda params, x: core.forward(params, x), off_by_one_percent_on_row_5,
+    wrong = fusedpc.Frozen(lambda params, x: core.forward(params, x, CTX),
+                           off_by_one_percent_on_row_5,
                            part.init_state(jax.random.key(0)))
     x = normal(1, (64, width))
     check = fusedpc.check_backward(wrong, x, error=normal(2, (64, width)))

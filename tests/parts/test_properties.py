@@ -32,6 +32,8 @@ import fusedpc
 from fusedpc import frozen
 from fusedpc.parts._activations import ACTIVATIONS
 
+CTX = fusedpc.core.StepContext()  # the plain step context, for cores run by hand
+
 WIDTHS = (3, 4)  # few shapes: each new one compiles its primitives once
 BATCH, SEQ = 2, 3
 ROWS = BATCH * SEQ
@@ -254,7 +256,7 @@ def test_frozen_backward_matches_vjp(tree, seed):
     part = build(spec)
     x = normal(seed, (BATCH, SEQ, width))
     state = part.init_state(jax.random.key(0))
-    out = jax.eval_shape(lambda s, x: part.compile("").forward(s, x)[0], state, x)
+    out = jax.eval_shape(lambda s, x: part.compile("").forward(s, x, CTX)[0], state, x)
     worst = fusedpc.check_backward(part, x, error=normal(seed + 1, out.shape), state=state)
     # Softmax and layer norm over 2 to 4 features: the worst entry relative to the largest.
     assert worst <= 1e-5, (spec, worst)
@@ -297,7 +299,7 @@ def test_learning_tree_matches_its_backprop_twin(tree, seed):
     # The twin: the loss whose row-mean gradient every part takes, mean over the B*T rows of
     # 1/2 sum over features of (y - t)^2, differentiated through the tree's own forward.
     def loss(p, inputs):
-        y = core.forward(eqx.combine(p, rest), inputs)[0]
+        y = core.forward(eqx.combine(p, rest), inputs, CTX)[0]
         return 0.5 * jnp.mean(jnp.sum((y - target) ** 2, axis=-1))
 
     grads, x_grad = jax.grad(loss, argnums=(0, 1))(params, x)
@@ -327,7 +329,7 @@ def test_learning_tree_matches_its_backprop_twin(tree, seed):
         assert np.array_equal(old, np.asarray(new)), spec
     # The input error: the per-row gradient of the summed (not averaged) loss.
     got, want = _flat(input_error), _flat(ROWS * x_grad)
-    output_error = _flat(core.forward(state, x)[0] - target)
+    output_error = _flat(core.forward(state, x, CTX)[0] - target)
     slack = 1e-5 * np.linalg.norm(want) + 1e-6 * np.linalg.norm(output_error)
     assert np.linalg.norm(got - want) <= slack, spec
 
@@ -343,7 +345,7 @@ def test_step_keeps_the_state_structure(tree, seed):
     before = shapes_and_dtypes(state)
     structure = jax.tree_util.tree_structure(state)
     x = normal(seed, (BATCH, SEQ, width))
-    out = jax.eval_shape(lambda s, x: part.compile("").forward(s, x)[0], state, x)
+    out = jax.eval_shape(lambda s, x: part.compile("").forward(s, x, CTX)[0], state, x)
     target = normal(seed + 1, out.shape)
 
     pipeline, input_error = _eager_step(part, x, target)

@@ -15,9 +15,11 @@ import pytest
 
 import fusedpc
 from fusedpc import frozen
-from fusedpc.core import AbstractMetrics, LayerNormParams, LinearParams, TableParams
-from fusedpc.core._metrics import report_rows
-from fusedpc.execution._unfused import JitLeaf, UnfusedPipeline, unfused
+from fusedpc.core import AbstractMetrics, LayerNormParams, LinearParams, TableParams, report_rows
+from fusedpc.execution import UnfusedPipeline
+from fusedpc.execution._unfused import JitLeaf, unfused
+
+CTX = fusedpc.core.StepContext()  # the plain step context, for cores run by hand
 
 
 # --------------------------------------------------------------------------- metrics
@@ -36,10 +38,10 @@ class EnergyProbe(fusedpc.AbstractPart):
         return None
 
     def compile(self, path):
-        def forward(state, x):
+        def forward(state, x, ctx):
             return x, None
 
-        def backward(state, cache, error):
+        def backward(state, cache, error, ctx):
             energy = 0.5 * jnp.sum(error * error)
             return error, state, EnergyMetrics(energy, jnp.isfinite(energy))
 
@@ -122,14 +124,14 @@ class Twice(fusedpc.AbstractPart):
     def compile(self, path):
         core = self.inner.compile(fusedpc.core.join_path(path, "inner"))
 
-        def forward(state, x):
-            h, c1 = core.forward(state, x)
-            y, c2 = core.forward(state, h)
+        def forward(state, x, ctx):
+            h, c1 = core.forward(state, x, ctx)
+            y, c2 = core.forward(state, h, ctx)
             return y, (c1, c2)
 
-        def backward(state, cache, error):
-            e, _, m2 = core.backward(state, cache[1], error)
-            e, _, m1 = core.backward(state, cache[0], e)
+        def backward(state, cache, error, ctx):
+            e, _, m2 = core.backward(state, cache[1], error, ctx)
+            e, _, m1 = core.backward(state, cache[0], e, ctx)
             return e, state, fusedpc.core.named(second=m2, first=m1)
 
         return fusedpc.Core(forward, backward, lambda s: Twice(core.write_back(s)))
@@ -228,8 +230,9 @@ def test_blocks_that_differ_keep_the_tuple_state_layout_of_older_checkpoints():
 def test_frozen_parameters_are_named_records_and_eps_is_static():
     lin = frozen.linear(jnp.ones((2, 3)), jnp.zeros(2))
     assert isinstance(lin.init_state(jax.random.key(0)).params, LinearParams)
-    with pytest.warns(DeprecationWarning, match=r"read LinearParams.weight instead"):
-        assert lin.params["weight"] is lin.params.weight
+    # indexing, deprecated in 0.3, is refused naming the field to read
+    with pytest.raises(TypeError, match=r"removed in 0.4.0. Read LinearParams.weight"):
+        lin.params["weight"]
     ln = frozen.layer_norm(eqx.nn.LayerNorm(4, eps=1e-3))
     leaves = jax.tree_util.tree_leaves(ln.init_state(jax.random.key(0)))
     assert len(leaves) == 2  # weight and bias; eps is no leaf
@@ -238,7 +241,7 @@ def test_frozen_parameters_are_named_records_and_eps_is_static():
         width=4).forward_fn
     x = jax.random.normal(jax.random.key(1), (3, 4))
     want = eqx.nn.LayerNorm(4, eps=1e-3)
-    y, _ = ln.compile("").forward(ln.init_state(jax.random.key(0)), x)
+    y, _ = ln.compile("").forward(ln.init_state(jax.random.key(0)), x, CTX)
     np.testing.assert_allclose(y, jax.vmap(want)(x), rtol=1e-5, atol=1e-6)
     assert all(
         f.metadata.get("static") for f in dataclasses.fields(fusedpc.LearningLayerNorm)

@@ -12,9 +12,11 @@ from helpers import DeltaLinear, assert_tree_allclose, count_equations
 
 import fusedpc
 from fusedpc import frozen
-from fusedpc.core._metrics import iter_metrics, named
-from fusedpc.parts._attention import MultiHeadAttention
-from fusedpc.parts._repeat import Repeat, RepeatState, _slice
+from fusedpc.core import iter_metrics, named
+from fusedpc.parts import MultiHeadAttention, Repeat, RepeatState
+from fusedpc.parts._repeat import _slice
+
+CTX = fusedpc.core.StepContext()  # the plain step context, for cores run by hand
 
 D, F, B, T, H = 4, 6, 3, 4, 2
 # One optimiser object shared by every block (it is static configuration).
@@ -125,8 +127,8 @@ def _step_equations(n: int, unroll: bool) -> int:
     core = rep.compile("blocks")
 
     def step(state, x, target):
-        y, cache = core.forward(state, x)
-        return core.backward(state, cache, y - target)
+        y, cache = core.forward(state, x, CTX)
+        return core.backward(state, cache, y - target, CTX)
 
     return count_equations(
         jax.make_jaxpr(step)(rep.init_state(jr.key(1)), batch(1), batch(2)).jaxpr

@@ -13,6 +13,9 @@ from helpers import norm_rel_error, normal
 
 from fusedpc import FusedPipeline, LearningEmbedding, LearningLayerNorm, LearningNetwork
 from fusedpc import transplant as tp
+from fusedpc.core import StepContext
+
+CTX = StepContext()  # the plain step context, for cores run by hand
 
 KEYS = jax.random.split(jax.random.key(0), 6)
 X = normal(1, (2, 3, 4))  # leading axes are rows
@@ -21,7 +24,7 @@ X = normal(1, (2, 3, 4))  # leading axes are rows
 def part_forward(part, x):
     """The part's compiled forward, jitted as the pipeline runs it."""
     core = part.compile("")
-    return jax.jit(lambda s, v: core.forward(s, v)[0])(part.init_state(jax.random.key(0)), x)
+    return jax.jit(lambda s, v: core.forward(s, v, CTX)[0])(part.init_state(jax.random.key(0)), x)
 
 
 def rows(module, x):

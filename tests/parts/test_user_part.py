@@ -138,7 +138,9 @@ def _docs_example(name: str = "own-part") -> str:
 
 def _run_docs_example(name: str) -> dict:
     namespace: dict = {"__name__": "docs_example"}
-    exec(compile(_docs_example(name), "docs/architecture.md", "exec"), namespace)  # noqa: S102
+    # run as the standalone script it is: not under this module's `from __future__` imports
+    code = compile(_docs_example(name), "docs/architecture.md", "exec", dont_inherit=True)
+    exec(code, namespace)  # noqa: S102
     return namespace
 
 

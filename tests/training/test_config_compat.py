@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from fusedpc.cli._parser import build_parser
-from fusedpc.training import TrainConfig
-from fusedpc.training._config_file import config_to_toml, resolve_config, resume_config
+from fusedpc.training import TrainConfig, resolve_config, resume_config
+from fusedpc.training._config_file import config_to_toml
 from fusedpc.training._settings import RENAMED, config_settings
 from fusedpc.training._start_point import _changed_settings
 from fusedpc.transformer import GPTConfig

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from fusedpc.training._host_memory import host_memory_env
+from fusedpc.training import host_memory_env
 
 _PROBE = r"""
 import json, resource, sys
 import fusedpc
-from fusedpc.training._host_memory import REUSE_ABOVE_BYTES, host_memory_choice
+from fusedpc.training import REUSE_ABOVE_BYTES, host_memory_choice
 mode, size = sys.argv[1], {"small": REUSE_ABOVE_BYTES - 1, "large": REUSE_ABOVE_BYTES}
 applied = host_memory_choice(mode.split("-")[0], size.get(mode.split("-")[-1], 0))
 again = fusedpc.training.reuse_host_memory() if mode == "reuse" else applied

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from fusedpc.training import Column, format_rows
-from fusedpc.training._loop import TrainResult, format_summary
+from fusedpc.training import Column, TrainResult, format_rows
+from fusedpc.training._loop import format_summary
 
 
 def test_columns_are_as_wide_as_their_widest_cell_and_rules_as_the_table():

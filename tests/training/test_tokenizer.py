@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fusedpc.training import Tokenizer, load_run, train
+from fusedpc.training import Tokenizer, load_run, resolve_config, train
 from fusedpc.training import data as data_module
-from fusedpc.training._config_file import resolve_config
 from fusedpc.training._setup import encode_text, resolve_tokenizer
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"

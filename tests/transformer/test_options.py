@@ -26,12 +26,13 @@ from helpers import (
 )
 
 import fusedpc
-from fusedpc.parts import frozen, transplant
-from fusedpc.parts._attention import MultiHeadAttention, rotate_rows
-from fusedpc.parts._gated import GatedFeedForward
+from fusedpc.parts import GatedFeedForward, MultiHeadAttention, frozen, transplant
+from fusedpc.parts._rotary import rotate_rows
 from fusedpc.parts.frozen import RMSNormParams
-from fusedpc.parts.learning._rms_norm import LearningRMSNorm
+from fusedpc.parts.learning import LearningRMSNorm
 from fusedpc.transformer.reference import GPT, count_flops, make_backprop_step
+
+CTX = fusedpc.core.StepContext()  # the plain step context, for cores run by hand
 
 TINY = {"vocab_size": 11, "width": 16, "n_heads": 2, "n_blocks": 1, "ff_width": 32, "max_len": 8}
 OPTIONS = {
@@ -149,7 +150,7 @@ def test_all_frozen_gpt_reproduces_the_reference_logits(option):
     reference = GPT(**TINY, **OPTIONS[option], key=jax.random.key(0))
     part = fusedpc.hybrid_from_gpt(reference)
     ids, _ = _batches(1)
-    logits = jax.jit(lambda state, x: part.compile("").forward(state, x)[0])(
+    logits = jax.jit(lambda state, x: part.compile("").forward(state, x, CTX)[0])(
         part.init_state(jax.random.key(0)), ids[0]
     )
     np.testing.assert_allclose(logits, reference(ids[0]), rtol=1e-5, atol=1e-6)
@@ -283,15 +284,15 @@ def test_rms_norm_forward_is_equinox_and_its_gradient_is_backprop():
     module, x = _rms_module(), normal(11, (3, 4, 8))
     part = LearningRMSNorm(module.weight, module.bias, capture_gradients(), eps=module.eps)
     core, state = part.compile(""), part.init_state(jax.random.key(0))
-    y, cache = core.forward(state, x)
+    y, cache = core.forward(state, x, CTX)
     np.testing.assert_allclose(y, jax.vmap(jax.vmap(module))(x), rtol=1e-6, atol=1e-6)
     error = normal(12, y.shape)
-    input_error, new_state, _ = core.backward(state, cache, error)
+    input_error, new_state, _ = core.backward(state, cache, error, CTX)
 
     rows = x.size // x.shape[-1]
 
     def loss(params: RMSNormParams, inp):  # averaged over rows, with dL/dy = error / rows
-        out = core.forward(eqx.tree_at(lambda s: s.params, state, params), inp)[0]
+        out = core.forward(eqx.tree_at(lambda s: s.params, state, params), inp, CTX)[0]
         return jnp.sum(out * error) / rows
 
     grads = jax.grad(loss)(state.params, x)
@@ -374,7 +375,7 @@ def test_bad_options_are_refused_by_name():
         MultiHeadAttention(*lins, n_heads=2, positions="rotary", rotary_base=0.5)
     odd = MultiHeadAttention(*lins, n_heads=8, positions="rotary")  # head width 1
     with pytest.raises(ValueError, match="the head width must be even, got 1"):
-        odd.compile("attn").forward(odd.init_state(jax.random.key(0)), normal(0, (1, 2, 8)))
+        odd.compile("attn").forward(odd.init_state(jax.random.key(0)), normal(0, (1, 2, 8)), CTX)
 
 
 def test_bad_parts_are_refused_by_name():
@@ -385,7 +386,7 @@ def test_bad_parts_are_refused_by_name():
     with pytest.raises(ValueError, match=r"ff: the slots gate and up must output the same "
                                          r"shape, got \(6, 12\) \(gate\) and \(6, 10\) \(up\)"):
         mismatched.compile("ff").forward(mismatched.init_state(jax.random.key(0)),
-                                         normal(0, (6, 8)))
+                                         normal(0, (6, 8)), CTX)
     with pytest.raises(TypeError, match="GatedFeedForward.down: expected a part"):
         GatedFeedForward(frozen.linear(gate), frozen.linear(gate), down)
     with pytest.raises(ValueError, match="GatedFeedForward: activation: unknown activation"):
@@ -398,7 +399,7 @@ def test_bad_parts_are_refused_by_name():
         LearningRMSNorm(jnp.ones(8), jnp.zeros(7))
     norm = frozen.rms_norm(width=8)
     with pytest.raises(ValueError, match=r"norm: expected input of shape \(\.\.\., 8\)"):
-        norm.compile("norm").forward(norm.init_state(jax.random.key(0)), normal(0, (2, 5)))
+        norm.compile("norm").forward(norm.init_state(jax.random.key(0)), normal(0, (2, 5)), CTX)
 
 
 if __name__ == "__main__":

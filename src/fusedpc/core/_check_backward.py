@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedpc.core._checks import check_part
+from fusedpc.core._context import StepContext
 
 ROW_FLOOR = 1e-3
 """A row's error is measured against its own scale, or this fraction of the largest entry
@@ -97,7 +98,8 @@ def _float64() -> Any:
     return enable_x64()
 
 
-def _float64_vjp(core: Any, state: Any, x: Any, error: Any) -> np.ndarray | None:
+def _float64_vjp(core: Any, state: Any, x: Any, error: Any,
+                 ctx: StepContext) -> np.ndarray | None:
     """The vjp of the forward at `x` in float64 (state, input and error widened), or None
     where the forward does not run in float64 (it mixes dtypes under strict promotion, say):
     the reference is then float32 `jax.vjp`."""
@@ -110,7 +112,7 @@ def _float64_vjp(core: Any, state: Any, x: Any, error: Any) -> np.ndarray | None
     try:
         with _float64():
             wide_state = jax.tree_util.tree_map(wide, state)
-            _, vjp = jax.vjp(lambda inp: core.forward(wide_state, inp)[0], wide(x))
+            _, vjp = jax.vjp(lambda inp: core.forward(wide_state, inp, ctx)[0], wide(x))
             (reference,) = vjp(wide(error))
             if jnp.result_type(reference) != jnp.float64:
                 return None
@@ -158,12 +160,13 @@ def check_backward(
             f"check_backward: x must be floating point to differentiate the forward, got "
             f"{x.dtype}; parts that take integer ids have no input error to check."
         )
-    y, cache = core.forward(state, x)
+    ctx = StepContext()
+    y, cache = core.forward(state, x, ctx)
     if error is None:
         error = jax.random.normal(error_key, y.shape, y.dtype)
-    input_error, _, _ = core.backward(state, cache, jnp.asarray(error, y.dtype))
+    input_error, _, _ = core.backward(state, cache, jnp.asarray(error, y.dtype), ctx)
     error = jnp.asarray(error, y.dtype)
-    _, vjp = jax.vjp(lambda inp: core.forward(state, inp)[0], x)
+    _, vjp = jax.vjp(lambda inp: core.forward(state, inp, ctx)[0], x)
     (reference,) = vjp(error)
     got, want = np.asarray(input_error, np.float64), np.asarray(reference, np.float64)
     if got.shape != want.shape:
@@ -171,7 +174,7 @@ def check_backward(
             f"check_backward: the backward returned an input error of shape {got.shape}, "
             f"expected {want.shape} (the input's shape)."
         )
-    wide = _float64_vjp(core, state, x, error) if x.dtype == jnp.float32 else None
+    wide = _float64_vjp(core, state, x, error, ctx) if x.dtype == jnp.float32 else None
     if wide is None:
         return _compare(got, want)
     return _compare(got, wide, want, "float64")

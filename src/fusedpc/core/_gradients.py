@@ -1,85 +1,92 @@
-"""Trace-time hooks on the gradients that learning parts hand to their optimisers.
+"""What the step does to the gradients a part hands to its optimiser, and the optimiser step
+itself (`optimiser_step`), as the step context carries them.
 
-Every fusedpc learning part that learns through an optax optimiser forms its gradient in its
-backward walk and applies its optimiser there (`optax_step`). Two hooks, active while a step
-is traced, let the executor act on all of those gradients at once without a change to the
-part contract:
+A part that learns through an optax optimiser forms its gradient in its backward walk and
+calls `ctx.optimiser_step(optimiser, params, gradients, opt_state)` (the step context's
+method, which calls `optimiser_step` here). Through the context the executor then acts on
+every such gradient at once:
 
-* `collect_gradient_squares()`: each optax step traced inside appends $\\lVert g \\rVert^2$ of its
-  gradients (float32), so that the executor can form the global norm over every part;
-* `clip_gradients(norm, max_norm)`: each optax step traced inside clips its gradients as
-  `optax.clip_by_global_norm(max_norm)` would clip the whole gradient tree of global norm
-  `norm`: $g \\leftarrow g$ when $\\lVert g \\rVert < $ `max_norm`, else $g / \\lVert g \\rVert
-  \\cdot$ `max_norm`.
-
-A part that runs its blocks inside `lax.scan` (`fusedpc.Repeat`) collects its blocks' squares
-inside the scan body and reports their sum outside it (`add_gradient_square`), since values
-traced in a scan body cannot leave it otherwise; a part of your own that scans over learning
-parts does the same.
-
-A third, `deferred_updates()`, lets an unrolled `Repeat` apply its blocks' optimisers once
-over the stacked blocks instead of once per block: inside it, each optax step records its
-gradients and hands back stand-ins for the new parameters and optimiser state, which the
-`Repeat` replaces by rows of the stacked update (`DeferredUpdate`).
+* `GradientHook(squares=[])` collects $\\lVert g \\rVert^2$ of each (float32), so that the
+  executor forms the global norm over every part;
+* `GradientHook(clip_norm=n, max_norm=c)` clips each as `optax.clip_by_global_norm(c)` clips
+  a whole gradient tree of global norm `n`: $g \\leftarrow g$ when $n < c$, else $g / n
+  \\cdot c$;
+* a deferred-update sink (`StepContext.deferred`, a list) records the step instead of
+  applying it (`DeferredUpdate`) and hands back stand-ins for the new parameters and state:
+  an unrolled `Repeat` then applies its blocks' optimisers once over the stacked blocks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-from fusedpc.core._metrics import _current_trace
-
-_SQUARES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "fusedpc_gradient_squares", default=None
-)
-_CLIP: contextvars.ContextVar[tuple[Any, float] | None] = contextvars.ContextVar(
-    "fusedpc_gradient_clip", default=None
-)
+import numpy as np
+import optax
 
 
-@contextlib.contextmanager
-def collect_gradient_squares() -> Iterator[list]:
-    """Collect, at trace time, the squared gradient norm of every optax step inside."""
-    squares: list = []
-    token = _SQUARES.set(squares)
-    try:
-        yield squares
-    finally:
-        _SQUARES.reset(token)
+@dataclasses.dataclass(frozen=True, eq=False)
+class GradientHook:
+    """What the step asks of every optimiser step's gradients (see the module docstring).
+
+    Attributes:
+        squares: a list to which each optimiser step appends $\\lVert g \\rVert^2$ of its
+            gradients (float32), or None.
+        clip_norm: the global norm to clip by (a traced scalar), or None.
+        max_norm: the bound `c` of the clipping (with `clip_norm`).
+    """
+
+    squares: list[jax.Array] | None = None
+    clip_norm: jax.Array | None = None
+    max_norm: float | None = None
+
+    @property
+    def collecting(self) -> bool:
+        """Whether gradient squares are collected (a part that scans its children then
+        collects theirs inside the scan body and adds the sum: `add_square`)."""
+        return self.squares is not None
+
+    def add_square(self, square: jax.Array) -> None:
+        """Add a squared gradient norm to the collection (no-op without one)."""
+        if self.squares is not None:
+            self.squares.append(jnp.asarray(square, jnp.float32))
+
+    def collecting_into(self, squares: list[jax.Array]) -> GradientHook:
+        """This hook with its squared norms appended to `squares` (a trace's own list)."""
+        return dataclasses.replace(self, squares=squares)
+
+    def without_squares(self) -> GradientHook:
+        """This hook for a trace of its own (a scan body): the clipping kept, no collection
+        (values of an inner trace cannot join the outer trace's list)."""
+        return dataclasses.replace(self, squares=None)
+
+    def __call__(self, gradients: Any) -> Any:
+        """The gradients as the optimiser gets them: their squared norm collected, clipped
+        by the global norm where asked."""
+        leaves = [g for g in jax.tree_util.tree_leaves(gradients) if g is not None]
+        if self.squares is not None and leaves:
+            squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves]
+            self.add_square(jnp.sum(jnp.stack(squares)))
+        if self.clip_norm is None:
+            return gradients
+        norm, max_norm = self.clip_norm, float(self.max_norm)  # type: ignore[arg-type]
+
+        def clipped(g):
+            # optax.clip_by_global_norm's own formula: t unchanged below the bound, else
+            # t / norm * max_norm
+            n = norm.astype(g.dtype)
+            return jnp.where(norm < max_norm, g, g / n * jnp.asarray(max_norm, g.dtype))
+
+        return jax.tree_util.tree_map(clipped, gradients)
 
 
-def collecting_gradient_squares() -> bool:
-    """Whether a `collect_gradient_squares` is active (a scanning part then reports)."""
-    return _SQUARES.get() is not None
-
-
-def add_gradient_square(square: jax.Array) -> None:
-    """Report a squared gradient norm to the active collection (no-op without one)."""
-    squares = _SQUARES.get()
-    if squares is not None:
-        squares.append(jnp.asarray(square, jnp.float32))
-
-
-@contextlib.contextmanager
-def clip_gradients(norm: jax.Array, max_norm: float) -> Iterator[None]:
-    """Clip, at trace time, the gradients of every optax step inside by the global `norm`."""
-    token = _CLIP.set((norm, float(max_norm)))
-    try:
-        yield
-    finally:
-        _CLIP.reset(token)
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DeferredUpdate:
-    """One optax step recorded by `deferred_updates`: what the step was asked
+    """One optimiser step recorded in a deferred-update sink: what the step was asked
     (`apply(params, gradients, opt_state) -> (new_params, new_state)`, the optimiser's update
     applied to `params`; `optimiser` tells which steps may run together) and the stand-ins it
     handed back for the new parameters and state (zeros of the new values' shapes and dtypes,
@@ -94,59 +101,53 @@ class DeferredUpdate:
     new_state: Any
 
 
-_DEFERRING: list[tuple[list[DeferredUpdate], Any]] = []  # (records, the trace they belong to)
+def optimiser_step(optimiser: Any, params: Any, gradients: Any, opt_state: Any,
+                   hook: GradientHook | None = None,
+                   deferred: list[DeferredUpdate] | None = None) -> tuple[Any, Any]:
+    """`updates, s' = opt.update(G, s, params)`; `params + updates` (descent gradients), with
+    the gradients handed through `hook` first. With a `deferred` sink the step is recorded
+    there instead and stand-ins are returned (zeros of the new parameters' and state's shapes
+    and dtypes: an optax update keeps its state's structure, and `apply_updates` the
+    parameters'), which the sink's owner replaces."""
+    if hook is not None:
+        gradients = hook(gradients)
+    if deferred is None:
+        return apply_optax(optimiser, params, gradients, opt_state)
+
+    def stand_in(x):
+        return jnp.zeros(jnp.shape(x), jnp.result_type(x)) if _is_array(x) else x
+
+    record = DeferredUpdate(optimiser, functools.partial(apply_optax, optimiser),
+                            params, gradients, opt_state,
+                            jax.tree_util.tree_map(stand_in, params),
+                            jax.tree_util.tree_map(stand_in, opt_state))
+    deferred.append(record)
+    return record.new_params, record.new_state
 
 
-@contextlib.contextmanager
-def deferred_updates() -> Iterator[list[DeferredUpdate]]:
-    """Record, instead of applying, the optax steps traced inside (in this trace only: a step
-    traced inside a `lax.scan` body or a `lax.cond` branch is applied as usual). Each gets a
-    `DeferredUpdate` in the yielded list, in the order they were traced; the caller must
-    compute every recorded step and put the results where the stand-ins went."""
-    records: list[DeferredUpdate] = []
-    _DEFERRING.append((records, _current_trace()))
-    try:
-        yield records
-    finally:
-        _DEFERRING.pop()
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
-def deferring() -> list[DeferredUpdate] | None:
-    """The active `deferred_updates` records, or `None` (none active, or another trace)."""
-    if not _DEFERRING:
-        return None
-    records, trace = _DEFERRING[-1]
-    return records if trace is _current_trace() else None
+def apply_optax(optimiser: Any, params: Any, gradients: Any, opt_state: Any) -> tuple[Any, Any]:
+    """The optimiser's update applied to `params`, never deferred.
+
+    Runs under standard dtype promotion: optax mixes Python floats with integer step counts,
+    which a caller's strict promotion setting would otherwise reject."""
+    with jax.numpy_dtype_promotion("standard"):
+        try:
+            updates, opt_state = optimiser.update(gradients, opt_state, params)
+        except TypeError as err:
+            if "keyword-only argument" not in str(err) or "'value'" not in str(err):
+                raise
+            raise TypeError(
+                "optimiser: this optax optimiser needs the loss value at each update "
+                f"({err}); optax.contrib.reduce_on_plateau and optax.lbfgs are such. A "
+                "part's local learning step has no loss of its own to pass, so they cannot "
+                "run here: use a schedule (fusedpc.training.learning_rate_schedule) instead "
+                "of reduce_on_plateau, and a first-order optimiser instead of lbfgs."
+            ) from None
+    return optax.apply_updates(params, updates), opt_state
 
 
-def hook_gradients(gradients: Any) -> Any:
-    """What an optax step calls on its gradients: reports their squared norm to an active
-    collection and clips them under an active `clip_gradients`."""
-    leaves = [g for g in jax.tree_util.tree_leaves(gradients) if g is not None]
-    if _SQUARES.get() is not None and leaves:
-        squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves]
-        add_gradient_square(jnp.sum(jnp.stack(squares)))
-    clip = _CLIP.get()
-    if clip is None:
-        return gradients
-    norm, max_norm = clip
-
-    def clipped(g):
-        # optax.clip_by_global_norm's own formula: t unchanged below the bound, else
-        # t / norm * max_norm
-        n = norm.astype(g.dtype)
-        return jnp.where(norm < max_norm, g, g / n * jnp.asarray(max_norm, g.dtype))
-
-    return jax.tree_util.tree_map(clipped, gradients)
-
-
-__all__ = [
-    "DeferredUpdate",
-    "add_gradient_square",
-    "clip_gradients",
-    "collect_gradient_squares",
-    "collecting_gradient_squares",
-    "deferred_updates",
-    "deferring",
-    "hook_gradients",
-]
+__all__ = ["DeferredUpdate", "GradientHook", "apply_optax", "optimiser_step"]

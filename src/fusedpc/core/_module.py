@@ -15,6 +15,7 @@ import jax
 import jax.extend.core
 
 from fusedpc.core._checks import check_part
+from fusedpc.core._context import StepContext
 from fusedpc.core._part import AbstractPart, PyTree
 
 _TRACE_ERRORS = (
@@ -92,7 +93,7 @@ class PartModule(eqx.Module):
         every layer. It is not the key the state is drawn from (that one is `as_module`'s)."""
         del key
         part: AbstractPart = jax.tree_util.tree_unflatten(self.structure, self.shapes)
-        y, _ = part.compile("").forward(self.state, x)
+        y, _ = part.compile("").forward(self.state, x, StepContext())
         return y
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
@@ -27,28 +29,106 @@ PyTree = Any
 _M = TypeVar("_M", bound=eqx.Module)
 
 
-class Core(NamedTuple):
-    """A compiled part: three pure functions over explicit state.
+class _CoreFields(NamedTuple):
+    forward: Callable[..., tuple[Any, PyTree]]
+    backward: Callable[..., tuple[Any, PyTree, PyTree]]
+    write_back: Callable[[PyTree], AbstractPart]
 
-    * `forward(state, x) -> (y, cache)`; the cache holds only what `backward` reads.
-    * `backward(state, cache, error) -> (input_error, new_state, metrics)`. `error` is the
-      descent error $\\partial L / \\partial y$ at the part's output (same shape as `y`);
+
+class Core(_CoreFields):
+    """A compiled part: three pure functions over explicit state and the step context.
+
+    * `forward(state, x, ctx) -> (y, cache)`; the cache holds only what `backward` reads.
+    * `backward(state, cache, error, ctx) -> (input_error, new_state, metrics)`. `error` is
+      the descent error $\\partial L / \\partial y$ at the part's output (same shape as `y`);
       `input_error` is $\\partial L / \\partial x$ per row (not divided by the batch size).
       `metrics` is an `AbstractMetrics` of device arrays (`PartMetrics` for learning parts,
       `FiniteFlag` for frozen ones, `named(child=metrics, ...)` for composites, in forward
       order, or a metrics class of the part's own).
     * `write_back(state) -> part`: a new part tree holding `state`. The executor always hands it
       a fresh copy, so the returned tree never aliases buffers that a later step donates.
+
+    `ctx` is the step's `StepContext` (compute dtype, error scale, report detail, norm
+    collection, gradient hook, deferred-update sink); a composite hands it to its children.
+    Functions written for release 0.3, `forward(state, x)` and `backward(state, cache,
+    error)`, still run for one release (with a `DeprecationWarning`, and in float32 without
+    the context's services); so does a call that omits `ctx` (given `StepContext()`).
     """
 
-    forward: Callable[[PyTree, Any], tuple[Any, PyTree]]
-    backward: Callable[[PyTree, PyTree, Any], tuple[Any, PyTree, PyTree]]
-    write_back: Callable[[PyTree], AbstractPart]
+    __slots__ = ()
+
+    def __new__(cls, forward: Callable[..., Any], backward: Callable[..., Any],
+                write_back: Callable[[PyTree], AbstractPart]) -> Core:
+        return super().__new__(cls, _taking_context(forward, 2, "forward"),
+                               _taking_context(backward, 3, "backward"), write_back)
+
+
+def _accepts(function: Callable[..., Any], n: int) -> bool | None:
+    """Whether `function` accepts `n` positional arguments (None: it does not say)."""
+    try:
+        inspect.signature(function).bind(*([None] * n))
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): taken as it is
+        return None
+    return True
+
+
+def _taking_context(function: Callable[..., Any], n: int, name: str) -> Callable[..., Any]:
+    """`function` as a function of `n` arguments and the step context: a function of the
+    `n` arguments only (release 0.3) is wrapped, with a deprecation warning, and a call that
+    omits the context gets the plain one."""
+    if getattr(function, "_fusedpc_takes_context", False):
+        return function
+    legacy = _accepts(function, n + 1) is False and _accepts(function, n) is True
+    if legacy:
+        warn_deprecated(
+            f"Core.{name} takes {n} arguments, without the step context: write "
+            f"{name}({_ARGUMENTS[name]}, ctx) and hand ctx to any child core; until then it "
+            "runs in float32 without global clipping, deferred updates or the error scale",
+            stacklevel=3)
+
+    @functools.wraps(function)
+    def with_context(*args: Any) -> Any:
+        if len(args) == n:
+            warn_deprecated(
+                f"calling Core.{name} without the step context is deprecated: pass ctx "
+                "(fusedpc.core.StepContext() outside a step)", stacklevel=2)
+            args = (*args, _plain_context())
+        if len(args) != n + 1:
+            raise TypeError(f"Core.{name}: expected ({_ARGUMENTS[name]}, ctx), got "
+                            f"{len(args)} arguments.")
+        return function(*args[:n]) if legacy else function(*args)
+
+    with_context._fusedpc_takes_context = True  # type: ignore[attr-defined]
+    return with_context
+
+
+_ARGUMENTS = {"forward": "state, x", "backward": "state, cache, error"}
+
+
+def _plain_context() -> Any:
+    from fusedpc.core._context import StepContext  # the context module imports this one
+
+    return StepContext()
 
 
 class AbstractPart(eqx.Module):
     """Base of every part. Subclass it, implement `init_state` and `compile`, and the part runs
-    fused inside any tree: the executor never names a concrete part type."""
+    fused inside any tree: the executor never names a concrete part type.
+
+    A part declares what it supports as class attributes:
+
+    * `defers_updates` (default False): the part reads what `ctx.optimiser_step` returns only
+      to put it in its new state and its report (never to compute an error or a value it
+      hands on), and calls no optimiser otherwise. An unrolled `fusedpc.Repeat` whose blocks
+      hold only such parts runs their optimiser steps once over the stacked blocks (one
+      kernel per shape instead of one per block); any other part keeps each block's step its
+      own (the same numbers). A composite declares it for itself; `Repeat` asks every part
+      of the block.
+    """
+
+    defers_updates: ClassVar[bool] = False
 
     @abc.abstractmethod
     def init_state(self, key: jax.Array) -> PyTree:
@@ -144,18 +224,17 @@ class ExportRecord(eqx.Module):
 
     A record is a named module of arrays with a fixed meaning (`LinearParams`,
     `LayerNormParams`, `TableParams`); subclass it for a record of your own. Records used to
-    be dicts: `record["weight"]` still reads a field for one release, with a
-    `DeprecationWarning` (write `record.weight`).
+    be dicts; `record["weight"]` (deprecated in 0.3) is refused since 0.4.0 with a
+    `TypeError` that names the field to read (`record.weight`).
     """
 
     def __getitem__(self, name: str) -> Any:
-        warn_deprecated(
-            f"{type(self).__name__}[{name!r}] is deprecated: the parameters are a named module "
-            f"now; read {type(self).__name__}.{name} instead"
+        fields = [f.name for f in dataclasses.fields(self)]
+        raise TypeError(
+            f"{type(self).__name__}[{name!r}]: the parameters are a named module; indexing was "
+            f"removed in 0.4.0. Read {type(self).__name__}.{name if name in fields else fields[0]}"
+            f" (fields: {', '.join(fields)})."
         )
-        if name not in {f.name for f in dataclasses.fields(self)}:
-            raise KeyError(name)
-        return getattr(self, name)
 
 
 class LinearParams(ExportRecord):

@@ -1,9 +1,10 @@
 """The compute precision of a step: the dtype that activations and matrix products use while
 parameters, optimiser states, norms and the loss stay float32.
 
-A step compiled with `compute_dtype="bfloat16"` traces its parts inside `computing_in`; the
-parts read the setting through the helpers below at trace time (so nothing changes in a
-part's signature, and a part that ignores them simply computes in float32). Matrix products
+A step compiled with `compute_dtype="bfloat16"` hands its parts a step context
+(`fusedpc.core.StepContext`) whose `compute_dtype` says so; a part computes through the
+context's methods (`ctx.matmul`, `ctx.to_compute`, ...), which call the helpers below with
+that dtype (`dtype=None`: float32, exactly the plain operation). Matrix products
 take their operands in the compute dtype and accumulate in float32; products that make a
 weight gradient keep the float32 result (`matmul_accumulate`), the others round it to the
 compute dtype (`matmul`), so caches and errors between parts are held in the compute dtype.
@@ -12,8 +13,6 @@ Statistics (LayerNorm's mean and variance, softmax) are taken in float32 (`widen
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -21,9 +20,6 @@ import jax.numpy as jnp
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 """The compute dtypes a step accepts (`None` means float32)."""
-
-_STACK: list[Any] = []
-
 
 def resolve_compute_dtype(dtype: Any, where: str = "compute_dtype") -> str | None:
     """`None` for float32 (the parameters' own dtype), `"bfloat16"` for bfloat16; any other
@@ -43,32 +39,13 @@ def resolve_compute_dtype(dtype: Any, where: str = "compute_dtype") -> str | Non
     return None if name == "float32" else name
 
 
-@contextlib.contextmanager
-def computing_in(dtype: str | None) -> Iterator[None]:
-    """Trace the parts inside in `dtype`; `None` keeps the setting around it (float32 when
-    there is none), so a part that names no dtype follows the step's."""
-    if dtype is None:
-        yield
-        return
-    _STACK.append(jnp.dtype(dtype))
-    try:
-        yield
-    finally:
-        _STACK.pop()
-
-
-def compute_dtype() -> Any:
-    """The compute dtype of the step being traced, or None (float32)."""
-    return _STACK[-1] if _STACK else None
-
-
 def _floating(x: Any) -> bool:
     return x is not None and jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
-def to_compute(x: Any) -> Any:
-    """A floating array in the compute dtype (unchanged without one, and for integers)."""
-    dtype = compute_dtype()
+def to_compute(x: Any, dtype: Any = None) -> Any:
+    """A floating array in the compute dtype `dtype` (unchanged for None, and for
+    integers)."""
     if dtype is None or not _floating(x):
         return x
     return jnp.asarray(x).astype(dtype)
@@ -82,29 +59,27 @@ def widened(x: Any) -> Any:
     return x if jnp.finfo(x.dtype).bits >= 32 else x.astype(jnp.float32)
 
 
-def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+def matmul(a: jax.Array, b: jax.Array, dtype: Any = None) -> jax.Array:
     """`a @ b`: without a compute dtype exactly that; with one, the operands in it,
     accumulated in float32 and rounded to it."""
-    dtype = compute_dtype()
     if dtype is None:
         return a @ b
     product = jnp.matmul(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
     return product.astype(dtype)
 
 
-def matmul_accumulate(a: jax.Array, b: jax.Array) -> jax.Array:
+def matmul_accumulate(a: jax.Array, b: jax.Array, dtype: Any = None) -> jax.Array:
     """`a @ b` kept in float32 (a weight gradient): with a compute dtype, the operands in it
     and the result accumulated in float32."""
-    dtype = compute_dtype()
     if dtype is None:
         return a @ b
     return jnp.matmul(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
 
 
-def einsum(spec: str, a: jax.Array, b: jax.Array, *, accumulate: bool = False) -> jax.Array:
+def einsum(spec: str, a: jax.Array, b: jax.Array, *, accumulate: bool = False,
+           dtype: Any = None) -> jax.Array:
     """`jnp.einsum(spec, a, b)` under the same rule as `matmul` (`accumulate=True`: as
     `matmul_accumulate`)."""
-    dtype = compute_dtype()
     if dtype is None:
         return jnp.einsum(spec, a, b)
     product = jnp.einsum(
@@ -113,7 +88,7 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, *, accumulate: bool = False) -
     return product if accumulate else product.astype(dtype)
 
 
-def weight_gradient(errors: jax.Array, inputs: jax.Array) -> jax.Array:
+def weight_gradient(errors: jax.Array, inputs: jax.Array, dtype: Any = None) -> jax.Array:
     """$E^\\top A$ over rows, `(R, out)` and `(R, in)` to `(out, in)`, in float32 (as
     `matmul_accumulate`).
 
@@ -122,4 +97,4 @@ def weight_gradient(errors: jax.Array, inputs: jax.Array) -> jax.Array:
     fast matrix library instead of its generic dot, about 1.5 % of a config-S step
     (docs/benchmarks.md). The numbers are those of `errors.T @ inputs`.
     """
-    return matmul_accumulate(jax.lax.optimization_barrier(errors.T), inputs)
+    return matmul_accumulate(jax.lax.optimization_barrier(errors.T), inputs, dtype)

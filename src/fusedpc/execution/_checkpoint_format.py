@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from fusedpc.core._part import PyTree
-    from fusedpc.execution._program import Counters
+    from fusedpc.execution._step_types import Counters
 
 FORMAT_NAME = "fusedpc-checkpoint"
 FORMAT_VERSION = 2  # the newest this library reads and writes

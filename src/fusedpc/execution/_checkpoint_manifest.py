@@ -17,7 +17,10 @@ from fusedpc.execution._checkpoint_format import (
     CheckpointError,
     _corrupted,
 )
-from fusedpc.execution._program import SKIP_REASONS, Counters
+from fusedpc.execution._step_types import (
+    SKIP_REASONS,
+    Counters,
+)
 
 
 def _check_manifest(path: str, manifest: Any) -> dict:

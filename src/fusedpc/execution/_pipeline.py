@@ -8,9 +8,7 @@ request, and turns the last step's metrics into reports and checkpoints.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,22 +17,25 @@ import numpy as np
 
 from fusedpc.core import losses as _losses
 from fusedpc.core._checks import check_part
-from fusedpc.core._metrics import iter_metrics, report_rows
 from fusedpc.core._part import PyTree
 from fusedpc.execution import _report, _sharding, _validation
+from fusedpc.execution._dispatch import Flat, Traced, collection_paused, report_flags, shape_of
 from fusedpc.execution._program import (
-    NONFINITE_POLICIES,
-    NORMALISATIONS,
+    StepProgram,
+    make_step,
+    scan_steps,
+)
+from fusedpc.execution._readout import PipelineReadout
+from fusedpc.execution._rows import (
+    copy_tree,
+)
+from fusedpc.execution._step_settings import StepSettings
+from fusedpc.execution._step_types import (
     SKIP_REASONS,
     Counters,
     StepCarry,
     StepMetrics,
     StepOutput,
-    StepProgram,
-    copy_tree,
-    make_step,
-    normalise_active,
-    scan_steps,
 )
 
 
@@ -48,27 +49,7 @@ class InputRangeError(ValueError):
     names the argument, the value and the range."""
 
 
-@contextlib.contextmanager
-def collection_paused(pause: bool = True) -> Iterator[None]:
-    """Python's cyclic garbage collector held off inside (when `pause`), as it was after.
-
-    Tracing and lowering a GPT's step makes hundreds of thousands of Python objects, enough
-    to start a full collection over everything the process holds (JAX's own caches
-    included) in the middle of the first step: about a fifth of the trace's time at config
-    S. The pipeline pauses it while it traces a program and during the first call of each
-    (which lowers and compiles it); the garbage made meanwhile is collected afterwards as
-    usual."""
-    if not pause or not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-class FusedPipeline:
+class FusedPipeline(PipelineReadout):
     """Trains a tree of parts; every step is one compiled XLA program with its state donated.
 
     Args:
@@ -77,6 +58,8 @@ class FusedPipeline:
         error_normalisation: `"rows"` (default) or `"active"` (opt-in), as for
             `fusedpc.make_step`; say padding with `step(..., mask=...)`.
         key: PRNG key for the parts' initial state (default `jax.random.key(0)`).
+        settings: the step's guards and compute dtype as one `fusedpc.StepSettings`; the
+            five keywords below are its fields, a shortcut for it (not both).
         nonfinite: what a step whose new state, output or input error holds NaN/inf does:
             `"skip"` keeps the old state (inside the program) and counts the step as skipped;
             `"raise"` does the same and raises `NonFiniteStepError` at the next call;
@@ -114,7 +97,8 @@ class FusedPipeline:
         error_normalisation: str = "rows",
         *,
         key: jax.Array | None = None,
-        nonfinite: str = "skip",
+        settings: StepSettings | None = None,
+        nonfinite: str | None = None,
         max_update_ratio: float | None = None,
         loss_spike: float | None = None,
         clip_global_norm: float | None = None,
@@ -125,22 +109,18 @@ class FusedPipeline:
     ):
         check_part(tree, "FusedPipeline(tree)")
         self.tree = tree
-        self.program: StepProgram = make_step(
-            tree,
-            error_fn,
-            error_normalisation,
-            nonfinite=nonfinite,
-            max_update_ratio=max_update_ratio,
-            loss_spike=loss_spike,
-            clip_global_norm=clip_global_norm,
-            compute_dtype=compute_dtype,
-        )
-        self.compute_dtype = self.program.compute_dtype
-        self.max_update_ratio = self.program.max_update_ratio
-        self.loss_spike = self.program.loss_spike
+        settings = StepSettings.of(
+            settings, nonfinite=nonfinite, max_update_ratio=max_update_ratio,
+            loss_spike=loss_spike, clip_global_norm=clip_global_norm, compute_dtype=compute_dtype)
+        self.program: StepProgram = make_step(tree, error_fn, error_normalisation,
+                                              settings=settings)
+        self.settings = settings
+        self.compute_dtype = settings.compute_dtype
+        self.max_update_ratio = settings.max_update_ratio
+        self.loss_spike = settings.loss_spike
         self.error_fn = self.program.error_fn
         self.error_normalisation = error_normalisation
-        self.nonfinite = nonfinite
+        self.nonfinite = settings.nonfinite
         self.mesh = _sharding.resolve_mesh(mesh)
         self.state_sharding = state_sharding
         if state_sharding is not None and self.mesh is None:
@@ -149,14 +129,11 @@ class FusedPipeline:
         key = jax.random.key(0) if key is None else key
         # init copies: the part objects' own arrays must survive the first donated step.
         self._carry = self._place_carry(self.program.init(key))
-        self._last_flat: _Flat | None = None  # the last call's metrics, as leaves
+        self._last_flat: Flat | None = None  # the last call's metrics, as leaves
         self._last_stacked = False
-        self._pending_flat: _Flat | None = None
+        self._pending_flat: Flat | None = None
         self._outputs: dict = {}  # batch signature -> the output's shape, from the one trace
         self._compiled: set = set()  # (program, batch signature) called once (so compiled)
-        self._metrics_structures: dict = {}  # batch signature -> the metrics' treedef
-        self._traced_output: jax.ShapeDtypeStruct | None = None
-        self._traced_metrics: Any = None
         self.trace_counts = {"step": 0, "run": 0, "predict": 0}
         # With a mesh, pin the carry's shardings (the state leaves as placed) so that the
         # donated buffers come back in place; outputs and metrics are left to propagation.
@@ -182,7 +159,7 @@ class FusedPipeline:
 
     @_carry.setter
     def _carry(self, carry: StepCarry) -> None:
-        self._carry_flat = _Flat.of(carry)
+        self._carry_flat = Flat.of(carry)
 
     @property
     def _last(self) -> StepMetrics | None:
@@ -208,38 +185,38 @@ class FusedPipeline:
         return _sharding.shard_batch(x, self.mesh, axis)
 
     # ------------------------------------------------------------------ programs
-    def _recording_step(
-        self, carry: StepCarry, x: Any, target: Any, mask: Any = None, detailed: bool = True
-    ):
-        carry, out = self.program.step(carry, x, target, mask, detailed)
-        self._traced_output = jax.ShapeDtypeStruct(jnp.shape(out.output), out.output.dtype)
-        return carry, out
-
     def _step_program(self, carry, x, target, mask=None):
-        result = self._recording_step(carry, x, target, mask)
+        result = self.program.step(carry, x, target, mask)
         self.trace_counts["step"] += 1  # counted once the trace succeeded
         return result
 
     def _flat_step_program(self, leaves, x, target, mask=None):
         carry, out = self._step_program(self._carry_flat.rebuild(leaves), x, target, mask)
-        return self._flat_result(carry, out)
+        return self._flat_result(carry, out, shape_of(out.output))
 
     def _flat_run_program(self, leaves, xs, targets, masks=None, report_at=None,
                           keep_outputs=True):
-        carry, out = self._run_program(
-            self._carry_flat.rebuild(leaves), xs, targets, masks, report_at, keep_outputs
-        )
-        return self._flat_result(carry, out)
+        carry = self._carry_flat.rebuild(leaves)
+        new_carry, out = self._run_program(carry, xs, targets, masks, report_at, keep_outputs)
+        if keep_outputs:  # one step's output: the stacked outputs without their K axis
+            output = jax.ShapeDtypeStruct(jnp.shape(out.output)[1:], out.output.dtype)
+        else:  # dropped: its shape from the forward alone (an abstract trace, no program)
+            first = jax.tree_util.tree_map(lambda a: a[0], xs)
+            output = shape_of(jax.eval_shape(self.program.predict, carry.state, first))
+        return self._flat_result(new_carry, out, output)
 
-    def _flat_result(self, carry: StepCarry, out: StepOutput):
-        """`(carry leaves, output, input error, metrics leaves)`; the metrics' structure is
-        kept for the signature being traced (`_traced`)."""
-        metrics_leaves, self._traced_metrics = jax.tree_util.tree_flatten(out.metrics)
-        return jax.tree_util.tree_leaves(carry), out.output, out.input_error, metrics_leaves
+    def _flat_result(self, carry: StepCarry, out: StepOutput,
+                     output: jax.ShapeDtypeStruct):
+        """`(carry leaves, output, input error, metrics)`: the metrics as a `_Traced` node
+        whose static data carry their structure and one step's output shape, which the
+        trace of a new signature reads off the program's outputs (`_traced`)."""
+        metrics_leaves, structure = jax.tree_util.tree_flatten(out.metrics)
+        return (jax.tree_util.tree_leaves(carry), out.output, out.input_error,
+                Traced(metrics_leaves, structure, output))
 
     def _run_program(self, carry, xs, targets, masks=None, report_at=None, keep_outputs=True):
         result = scan_steps(
-            self._recording_step, carry, xs, targets, keep_outputs, masks,
+            self.program.step, carry, xs, targets, keep_outputs, masks,
             self.program.report_flags(report_at),
         )
         self.trace_counts["run"] += 1
@@ -324,11 +301,10 @@ class FusedPipeline:
         of the jitted programs (step, run, check, compiled_step) comes through here first, so
         a new signature is always a fresh trace, which records the output's shape."""
         if signature not in self._outputs:
-            self._traced_output = None  # never another signature's shape
             with collection_paused():
-                jitted.trace(*args, **kwargs)
-            self._outputs[signature] = self._traced_output
-            self._metrics_structures[signature] = self._traced_metrics
+                traced = jitted.trace(*args, **kwargs)
+            facts = traced.out_info[3]
+            self._outputs[signature] = facts.output
         return self._outputs[signature]
 
     # ------------------------------------------------------------------ public API
@@ -359,7 +335,7 @@ class FusedPipeline:
             )
         self._compiled.add(("step", signature))
         self._carry_flat = self._carry_flat.replaced(leaves)
-        self._last_flat = self._pending_flat = _Flat(self._metrics_structures[signature], metrics)
+        self._last_flat = self._pending_flat = Flat(metrics.structure, metrics.leaves)
         self._last_stacked = False
         return output, input_error
 
@@ -389,7 +365,7 @@ class FusedPipeline:
         """
         self._check_pending()
         self._validate(xs, targets, batched=True, mask=masks)
-        report_at = _report_flags(np.shape(xs)[0], report_every, report_at)
+        report_at = report_flags(np.shape(xs)[0], report_every, report_at)
         xs, targets_placed = self.place_batch(xs, axis=1), self.place_batch(targets, axis=1)
         masks_placed = None if masks is None else self.place_batch(masks, axis=1)
         signature = (
@@ -418,7 +394,7 @@ class FusedPipeline:
             )
         self._compiled.add(("run", signature))
         self._carry_flat = self._carry_flat.replaced(leaves)
-        self._last_flat = self._pending_flat = _Flat(self._metrics_structures[signature], metrics)
+        self._last_flat = self._pending_flat = Flat(metrics.structure, metrics.leaves)
         self._last_stacked = True
         return outputs, input_errors, self._last_flat.tree
 
@@ -449,59 +425,6 @@ class FusedPipeline:
         _validation.check_non_empty(x, "x")
         self._validate_values(x)
         return self._predict_jit(self._carry.state, self.place_batch(x))
-
-    @property
-    def carry(self) -> StepCarry:
-        """The current carry (state and counters) as `program.step` takes it: live buffers,
-        donated (hence dead) at the next step."""
-        return self._carry
-
-    @property
-    def state(self) -> PyTree:
-        """The current state pytree (live buffers: donated, hence dead, at the next step)."""
-        return self._carry.state
-
-    @property
-    def counters(self) -> Counters:
-        """The current step counters (live buffers, donated at the next step)."""
-        return self._carry.counters
-
-    @property
-    def steps(self) -> int:
-        """Steps attempted so far (committed or skipped)."""
-        return int(self._carry.counters.steps)
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps not committed, for any reason (see `skip_counts`)."""
-        return int(self._carry.counters.skipped)
-
-    @property
-    def skip_counts(self) -> dict[str, int]:
-        """Steps not committed so far, by reason: `{"id out of range": n, "non-finite": n,
-        "update ratio": n, "loss spike": n}`."""
-        counts = np.asarray(self._carry.counters.skips).tolist()
-        return dict(zip(SKIP_REASONS, (int(c) for c in counts), strict=True))
-
-    @property
-    def loss_mean(self) -> float | None:
-        """The running mean of committed losses that `loss_spike` compares with (None
-        before any)."""
-        if int(self._carry.counters.loss_count) == 0:
-            return None
-        return float(self._carry.counters.loss_mean)
-
-    @property
-    def last_loss(self) -> float | None:
-        """The loss of the last step (the last inner step of `run`), or None before any."""
-        if self._last is None:
-            return None
-        return float(np.asarray(self._last.loss).reshape(-1)[-1])
-
-    @property
-    def last_metrics(self) -> StepMetrics | None:
-        """The last call's metrics (stacked over K for `run`), still on device."""
-        return self._last
 
     def merge(self) -> Any:
         """The tree with the current state written back, holding copies (safe to keep)."""
@@ -558,128 +481,4 @@ class FusedPipeline:
 
         return load_checkpoint(self, path)
 
-    # ------------------------------------------------------------------ reports
-    def report(self, index: int = -1) -> list[dict[str, Any]]:
-        """One row per learning part for the last step (the `index`-th inner step of `run`).
-
-        Each row: `part` (its path in the tree), `layer_sizes`, `update_norm`, `error_norm`,
-        `weight_norm`, `update_ratio` (update / weight norm, the number to calibrate a part's
-        learning rate by) and `finite`. Empty before the first step.
-
-        Raises:
-            ValueError: the chosen inner step did not compute its report (`run`'s
-                `report_every` / `report_at`).
-        """
-        if self._last is None:
-            return []
-        chosen = _report.select_step(jax.device_get(self._last), index)
-        if chosen.reported is not None and not bool(np.asarray(chosen.reported)):
-            raise ValueError(
-                f"report(index={index}): that step of the last run computed no report (run's "
-                "report_every / report_at); ask for a step that reported, e.g. the last "
-                "(index=-1)."
-            )
-        return report_rows(chosen.parts)
-
-    def nonfinite_part(self, index: int = -1) -> str | None:
-        """The part where the last step's non-finite value first appeared (backward order),
-        or None when the step was not refused as non-finite. The rule is the commit's own:
-        a NaN, an infinity or a norm that overflows float32 (the report's `finite=False`).
-        Under `"ignore"` it names the part although the step was committed."""
-        if self._last is None:
-            return None
-        chosen = _report.select_step(self._last, index)
-        if self.nonfinite == "ignore":
-            bad = not all(bool(np.asarray(m.finite)) for _, m in iter_metrics(chosen.parts))
-            leaves = jax.tree_util.tree_leaves(chosen.state_finite)
-            if not bad and all(bool(np.asarray(ok)) for ok in leaves):
-                return None
-            return _report.first_nonfinite(self._last, index)
-        code = int(np.asarray(chosen.skip_reason))
-        if code != SKIP_REASONS.index("non-finite") + 1:
-            return None
-        return _report.first_nonfinite(self._last, index)
-
-    def skip_reason(self, index: int = -1) -> _report.SkipReason | None:
-        """Why the last step (the `index`-th inner step of `run`) was not committed: a
-        `SkipReason(reason, part, message)`, or None when it was committed."""
-        if self._last is None:
-            return None
-        return _report.skip_reason(
-            self._last,
-            index,
-            max_update_ratio=self.max_update_ratio,
-            loss_spike=self.loss_spike,
-            stacked=self._last_stacked,
-        )
-
-
-__all__ = [
-    "FusedPipeline",
-    "InputRangeError",
-    "NonFiniteStepError",
-    "StepMetrics",
-    "StepOutput",
-    # the unfused baseline imports these from here
-    "NORMALISATIONS",
-    "NONFINITE_POLICIES",
-    "copy_tree",
-    "normalise_active",
-]
-
-
-def _report_flags(steps: int, report_every: int | None, report_at: Any) -> Any:
-    """`run`'s per-step report flags (`None`: every step reports), checked."""
-    if report_every is not None and report_at is not None:
-        raise ValueError("run: give report_every or report_at, not both.")
-    if report_every is not None:
-        if isinstance(report_every, bool) or not isinstance(report_every, int | np.integer) \
-                or report_every < 1:
-            raise ValueError(f"report_every: expected an int >= 1, got {report_every!r}.")
-        if report_every == 1:
-            return None
-        flags = (np.arange(steps) + 1) % int(report_every) == 0
-    elif report_at is not None:
-        flags = np.asarray(report_at)
-        if flags.shape != (steps,) or flags.dtype != bool:
-            raise ValueError(
-                f"report_at: expected {steps} booleans (one per step of xs), got an array "
-                f"of shape {flags.shape} and dtype {flags.dtype}."
-            )
-        flags = flags.copy()
-    else:
-        return None
-    flags[-1] = True  # the last step always reports: report() reads it
-    return flags
-
-
-class _Flat:
-    """A pytree held as its treedef and leaves, rebuilt into the tree only when read (and
-    then once: `tree` is kept until the leaves are replaced)."""
-
-    __slots__ = ("structure", "leaves", "_tree")
-
-    def __init__(self, structure: Any, leaves: list):
-        self.structure = structure
-        self.leaves = list(leaves)
-        self._tree: Any = None
-
-    @classmethod
-    def of(cls, tree: Any) -> _Flat:
-        leaves, structure = jax.tree_util.tree_flatten(tree)
-        flat = cls(structure, leaves)
-        flat._tree = tree
-        return flat
-
-    def rebuild(self, leaves: list) -> Any:
-        """This structure with other leaves (tracers, inside a trace)."""
-        return jax.tree_util.tree_unflatten(self.structure, leaves)
-
-    def replaced(self, leaves: list) -> _Flat:
-        return _Flat(self.structure, leaves)
-
-    @property
-    def tree(self) -> Any:
-        if self._tree is None:
-            self._tree = jax.tree_util.tree_unflatten(self.structure, self.leaves)
-        return self._tree
+__all__ = ["FusedPipeline", "InputRangeError", "NonFiniteStepError"]

@@ -9,7 +9,10 @@ import numpy as np
 
 from fusedpc.core._metrics import iter_metrics, report_rows
 from fusedpc.core._part import display_path
-from fusedpc.execution._program import SKIP_REASONS, StepMetrics
+from fusedpc.execution._step_types import (
+    SKIP_REASONS,
+    StepMetrics,
+)
 
 
 def select_step(metrics: StepMetrics, index: int) -> StepMetrics:

@@ -27,8 +27,10 @@ import jax.numpy as jnp
 
 from fusedpc.core import losses as _errors
 from fusedpc.core._checks import check_part
+from fusedpc.core._context import StepContext
 from fusedpc.core._part import AbstractPart, Core, PyTree
-from fusedpc.execution._pipeline import NORMALISATIONS, copy_tree, normalise_active
+from fusedpc.execution._rows import copy_tree, normalise_active
+from fusedpc.execution._step_types import NORMALISATIONS
 
 
 def is_composite(part: AbstractPart) -> bool:
@@ -59,8 +61,20 @@ class JitLeaf(AbstractPart):
 
     def compile(self, path: str) -> Core:
         core = self.inner.compile(path)
-        forward = jax.jit(core.forward)
-        backward = jax.jit(core.backward)
+        # each leaf compiled on its own, in the plain context (float32, norms measured at
+        # once): a context of a step's trace cannot reach into a separately compiled leaf
+        plain = StepContext()
+        jitted_forward = jax.jit(lambda state, x: core.forward(state, x, plain))
+        jitted_backward = jax.jit(lambda state, cache, error: core.backward(state, cache, error,
+                                                                             plain))
+
+        def forward(state: PyTree, x, ctx: StepContext):
+            del ctx
+            return jitted_forward(state, x)
+
+        def backward(state: PyTree, cache, error, ctx: StepContext):
+            del ctx
+            return jitted_backward(state, cache, error)
 
         def write_back(state: PyTree) -> JitLeaf:
             return JitLeaf(core.write_back(state))
@@ -153,9 +167,11 @@ class UnfusedPipeline:
         checked = jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
         self.tree.validate_input(checked, "")
         x, target = self._place(x), self._place(target)
-        y, cache = self._core.forward(self._state, x)
+        ctx = StepContext()
+        y, cache = self._core.forward(self._state, x, ctx)
         error, self._loss = self._head(y, target)
-        input_error, self._state, self._metrics = self._core.backward(self._state, cache, error)
+        input_error, self._state, self._metrics = self._core.backward(
+            self._state, cache, error, ctx)
         return y, input_error
 
     @property

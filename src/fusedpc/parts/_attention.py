@@ -3,16 +3,15 @@ any part, around a weight-free mixing step with a hand-derived backward."""
 
 from __future__ import annotations
 
-import inspect
-import math
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from fusedpc.core._checks import check_part, expect_rank
+from fusedpc.core._context import StepContext
 from fusedpc.core._metrics import named
 from fusedpc.core._part import (
     AbstractPart,
@@ -23,7 +22,17 @@ from fusedpc.core._part import (
     join_path,
     replace_fields,
 )
-from fusedpc.core._precision import einsum, to_compute, widened
+from fusedpc.parts._attention_mixing import (
+    causal_mix_backward_rows,
+    causal_mix_dot_product,
+    causal_mix_dot_product_backward_rows,
+    causal_mix_tiles,
+    causal_tiles_for,
+    dot_product_attention_available,
+    merge_heads,
+    split_heads,
+)
+from fusedpc.parts._rotary import rotate_rows
 
 _SEPARATE = ("wq", "wk", "wv")
 _LAYOUT = "(batch, seq, features)"
@@ -79,313 +88,6 @@ class DotProductAttentionCache(eqx.Module):
     v: jax.Array
     context: jax.Array
     lse: jax.Array
-
-
-def _split_heads(y: jax.Array, n_heads: int, transposed: bool = False) -> jax.Array:
-    """`(B, T, D)` -> `(B, H, T, D/H)`, or each head transposed, `(B, H, D/H, T)`; head `h`
-    holds features `[h d, (h + 1) d)`."""
-    b, t, width = y.shape
-    heads = y.reshape(b, t, n_heads, width // n_heads)
-    return heads.transpose(0, 2, 3, 1) if transposed else heads.transpose(0, 2, 1, 3)
-
-
-def _merge_heads(y: jax.Array, transposed: bool = False) -> jax.Array:
-    """Undoes `_split_heads`: `(B, H, T, d)` (transposed: `(B, H, d, T)`) -> `(B, T, H d)`."""
-    if transposed:
-        y = y.swapaxes(-1, -2)
-    b, h, t, d = y.shape
-    return y.transpose(0, 2, 1, 3).reshape(b, t, h * d)
-
-
-def causal_tiles_for(seq_len: int) -> int:
-    """How many query tiles `MultiHeadAttention` splits a sequence into by default: from 128
-    positions 4 (divisible by 4) or 2 (even), else 1. Tiling skips the score blocks above the
-    causal diagonal, which pays from 128 positions on; more tiles than 4 add more per-tile
-    overhead than they skip, and at 64 positions two tiles made the whole GPT step slower and
-    its compile longer than one (measured in docs/performance.md, on CPU)."""
-    if seq_len >= 128 and seq_len % 4 == 0:
-        return 4
-    if seq_len >= 128 and seq_len % 2 == 0:
-        return 2
-    return 1
-
-
-def _tile_bounds(seq_len: int, tiles: int) -> list[tuple[int, int]]:
-    """`[start, stop)` of each query tile: `min(tiles, seq_len)` tiles whose sizes differ by
-    at most one (equal when `tiles` divides `seq_len`)."""
-    n = min(tiles, seq_len)
-    return [(i * seq_len // n, (i + 1) * seq_len // n) for i in range(n)]
-
-
-def _masked_scores(q: jax.Array, k: jax.Array, start: int, stop: int, d: int) -> jax.Array:
-    """The scores $S = Q K^\\top / \\sqrt d$ of query rows `[start, stop)` against keys
-    `[0, stop)` (heads `(B, H, T, d)`), the entries with $s > t$ set to the most negative
-    finite number."""
-    # float32 scores whatever the compute dtype (the softmax reads them)
-    scores = einsum("bhtd,bhsd->bhts", q[..., start:stop, :], k[..., :stop, :], accumulate=True)
-    scores = scores * (1.0 / math.sqrt(d))
-    row = jnp.arange(start, stop)[:, None]
-    col = jnp.arange(stop)[None, :]
-    # The mask depends on the scores (`| isnan`: a NaN score stays NaN, as it would
-    # anyway) so that XLA cannot hoist it out of `run`'s scan as a loop invariant:
-    # hoisted, it changes how the softmax kernel is compiled, and K `step`s and one K-step
-    # `run` would differ in the last bits.
-    causal = (col <= row) | jnp.isnan(scores)
-    return jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-
-
-def causal_mix_tiles(
-    q: jax.Array, k: jax.Array, v: jax.Array, tiles: int = 1
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """`causal_mix` computed by query tiles: returns `C` and the tiles' attention weights.
-
-    The T queries are split into `tiles` tiles (equal when `tiles` divides T, sizes one apart
-    otherwise; at most T tiles); tile $i$ (rows $[a_i, b_i)$) attends to the key prefix
-    $[0, b_i)$ only, since every later key is masked for it. Its weights
-    $A_i$ have shape `(B, H, b_i - a_i, b_i)`; the masked upper-right blocks of $A$, a fraction
-    $(n - 1) / 2n$ of it, are never computed. Per row, the same numbers as `causal_mix` up to
-    float32 rounding (the softmax of a row sums over its prefix instead of the whole row, the
-    masked entries contributing exactly 0 either way).
-    """
-    seq_len, d = q.shape[-2], q.shape[-1]
-    contexts, weights = [], []
-    for start, stop in _tile_bounds(seq_len, tiles):
-        scores = _masked_scores(q, k, start, stop, d)
-        tile_weights = to_compute(jax.nn.softmax(scores, axis=-1))
-        contexts.append(einsum("bhts,bhsd->bhtd", tile_weights, v[..., :stop, :]))
-        weights.append(tile_weights)
-    context = contexts[0] if len(contexts) == 1 else jnp.concatenate(contexts, axis=-2)
-    return context, tuple(weights)
-
-
-def causal_mix(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The weight-free mixing on heads `(B, H, T, d)`: returns `(C, A)`.
-
-    $S = Q K^\\top / \\sqrt d$, entries with $s > t$ set to the most negative finite number
-    (their weight is exactly 0 and no NaN can appear: the diagonal is never masked),
-    $A = \\mathrm{softmax}_s(S)$, $C = A V$. (`causal_mix_tiles` with one tile.)
-    """
-    context, (weights,) = causal_mix_tiles(q, k, v, 1)
-    return context, weights
-
-
-def causal_mix_backward(
-    q: jax.Array, k: jax.Array, v: jax.Array, weights: jax.Array, error: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The hand-derived backward of `causal_mix`: `(dQ, dK, dV)` from `dC` (all per head).
-
-    $dA = dC\\, V^\\top$, $dV = A^\\top dC$,
-    $dS = A \\odot (dA - \\textstyle\\sum_s dA \\odot A) / \\sqrt d$, $dQ = dS\\, K$,
-    $dK = dS^\\top Q$. Masked entries have $A = 0$, hence $dS = 0$: nothing flows to the future.
-    (Per-head front end of `causal_mix_backward_rows`, which the attention part calls.)
-    """
-    n_heads = q.shape[1]
-    d_q, d_k, d_v = causal_mix_backward_rows(
-        _merge_heads(q), k, v, (weights,), _merge_heads(error), n_heads
-    )
-    return _split_heads(d_q, n_heads), _split_heads(d_k, n_heads), _split_heads(d_v, n_heads)
-
-
-def _add_to_prefix(total: jax.Array | None, part: jax.Array, seq_len: int) -> jax.Array:
-    """`total` (None: zeros) plus `part` over the first `part.shape[-1]` of `seq_len` positions
-    of the last axis. An in-place add into the prefix, which avoids padding each part to full
-    length before adding (faster, measured in docs/performance.md)."""
-    if total is None:
-        if part.shape[-1] == seq_len:
-            return part
-        total = jnp.zeros((*part.shape[:-1], seq_len), part.dtype)
-    return total.at[..., : part.shape[-1]].add(part)
-
-
-def causal_mix_backward_rows(
-    q_rows: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    weights: tuple[jax.Array, ...],
-    error_rows: jax.Array,
-    n_heads: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The backward of `causal_mix_tiles` with Q, dC and the results as rows `(B, T, D)` (K, V
-    per head, `weights` the tiles' weights as `causal_mix_tiles` returns them).
-
-    Per query tile $i$ (rows $[a_i, b_i)$, key prefix $[0, b_i)$):
-    $dA_i = dC_i V_{<b_i}^\\top$, $dS_i = A_i \\odot (dA_i - \\mathrm{rowsum}(dA_i \\odot A_i))
-    / \\sqrt d$, $dQ_i = dS_i K_{<b_i}$, and the prefix's $dK_{<b_i} \\mathrel{+}= dS_i^\\top
-    Q_i$, $dV_{<b_i} \\mathrel{+}= A_i^\\top dC_i$ (one tile: `causal_mix_backward`).
-
-    Every product is written so that the operand it contracts over its rows ($A^\\top dC$ and
-    $dS^\\top Q$) arrives transposed from the head split itself: $dV^\\top = dC^\\top A$ and
-    $dK^\\top = Q^\\top dS$ with $dC^\\top$, $Q^\\top$ split straight to `(B, H, d, T)` and the
-    results merged straight back. The head split and merge are transposes anyway, so this
-    costs nothing extra, and each product has the row-major form XLA:CPU hands to its fast
-    matmul library; written as $A^\\top dC$ they fall back to a slower generic batched dot
-    (measured in docs/performance.md).
-    """
-    bounds = _tile_bounds(error_rows.shape[1], len(weights))
-    return _backward_by_tiles(
-        q_rows, k, v, error_rows, n_heads, bounds, lambda i, start, stop: weights[i]
-    )
-
-
-def _backward_by_tiles(
-    q_rows: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    error_rows: jax.Array,
-    n_heads: int,
-    bounds: list[tuple[int, int]],
-    tile_weights_of: Callable[[int, int, int], jax.Array],
-    context: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The tile loop of `causal_mix_backward_rows`; `tile_weights_of(i, start, stop)` gives
-    tile $i$'s weights (cached or recomputed). With `context` (per head, `(B, H, T, d)`) the
-    softmax row sums are taken as $\\mathrm{rowsum}(dC \\odot C)$ (equal to
-    $\\mathrm{rowsum}(dA \\odot A)$ since $C = A V$; $T d$ products per head instead of
-    $T^2$), otherwise from the tile's $dA \\odot A$."""
-    seq_len = error_rows.shape[1]
-    d = k.shape[-1]
-    # dS carries the 1/sqrt(d) of the scores; it is applied to dC (T d entries per head)
-    # rather than to dA or dS (T T each), where XLA:CPU would materialise it as a full array.
-    scaled = _split_heads(error_rows * (1.0 / math.sqrt(d)), n_heads)
-    error_t = _split_heads(error_rows, n_heads, transposed=True)
-    q_t = _split_heads(q_rows, n_heads, transposed=True)
-    row_sums = None if context is None else jnp.sum(
-        widened(scaled) * widened(context), axis=-1, keepdims=True
-    )
-    d_q_tiles, d_k_t, d_v_t = [], None, None
-    for i, (start, stop) in enumerate(bounds):
-        tile_weights = widened(tile_weights_of(i, start, stop))
-        d_weights = einsum(  # dA / sqrt(d), in float32 whatever the compute dtype
-            "bhtd,bhsd->bhts", scaled[..., start:stop, :], v[..., :stop, :], accumulate=True
-        )
-        if row_sums is None:
-            tile_sums = jnp.sum(d_weights * tile_weights, axis=-1, keepdims=True)
-        else:
-            tile_sums = row_sums[..., start:stop, :]
-        d_scores = tile_weights * (d_weights - tile_sums)
-        d_q_tiles.append(einsum("bhts,bhsd->bhtd", d_scores, k[..., :stop, :]))
-        k_part = einsum("bhdt,bhts->bhds", q_t[..., start:stop], d_scores)
-        v_part = einsum("bhdt,bhts->bhds", error_t[..., start:stop], tile_weights)
-        d_k_t = _add_to_prefix(d_k_t, k_part, seq_len)
-        d_v_t = _add_to_prefix(d_v_t, v_part, seq_len)
-    d_q = d_q_tiles[0] if len(d_q_tiles) == 1 else jnp.concatenate(d_q_tiles, axis=-2)
-    # every sequence has at least one tile, so the loop has set both sums
-    d_k, d_v = (_merge_heads(cast(jax.Array, a), transposed=True) for a in (d_k_t, d_v_t))
-    return _merge_heads(d_q), d_k, d_v
-
-
-def dot_product_attention_available() -> bool:
-    """Whether the installed `jax.nn.dot_product_attention` can return its log-sum-exp
-    (`return_residual`, from jax 0.8.1), which `mixing="dot_product_attention"` needs."""
-    try:
-        parameters = inspect.signature(jax.nn.dot_product_attention).parameters
-    except (TypeError, ValueError):  # a signature Python cannot read: assume the keyword
-        return True
-    return "return_residual" in parameters
-
-
-def causal_mix_dot_product(
-    q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """The causal mixing through `jax.nn.dot_product_attention`, on `(B, T, H, d)` arrays:
-    returns the context $C$ `(B, T, H, d)` and the log-sum-exp of each query's scores
-    $\\ell_t = \\log \\sum_{s \\le t} e^{S_{ts}}$ `(B, T, H)`, with
-    $S = Q K^\\top / \\sqrt d$ per head (the same numbers as `causal_mix` to float32
-    rounding). `implementation` goes to jax as is (`None`: jax chooses; `"xla"`, `"cudnn"`).
-    """
-    return jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        is_causal=True,
-        scale=1.0 / math.sqrt(q.shape[-1]),
-        implementation=cast(Any, implementation),
-        return_residual=True,
-    )
-
-
-def causal_mix_dot_product_backward_rows(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    context: jax.Array,
-    lse: jax.Array,
-    error_rows: jax.Array,
-    tiles: int = 1,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The backward of `causal_mix_dot_product` from Q, K, V, the context $C$ (each
-    `(B, T, H, d)`), the log-sum-exp $\\ell$ `(B, T, H)` and $dC$ as rows `(B, T, H d)`:
-    returns $dQ, dK, dV$ as rows `(B, T, H d)`.
-
-    The weights are recomputed per query tile (as in `causal_mix_tiles`; tile $i$ against
-    its key prefix $[0, b_i)$): $A_i = \\exp(S_i - \\ell_i)$, masked entries exactly 0.
-    Then the softmax-attention backward, with $D_t = \\mathrm{rowsum}(dC \\odot C)_t$:
-    $dV = A^\\top dC$, $dA = dC\\, V^\\top$, $dS = A \\odot (dA - D) / \\sqrt d$,
-    $dQ = dS\\, K$, $dK = dS^\\top Q$.
-    """
-    b, seq_len, n_heads, d = q.shape
-    q_heads, k_heads, v_heads, context_heads = (a.transpose(0, 2, 1, 3) for a in (q, k, v, context))
-    lse_heads = widened(lse).transpose(0, 2, 1)[..., None]  # (B, H, T, 1)
-
-    def tile_weights(i: int, start: int, stop: int) -> jax.Array:
-        scores = _masked_scores(q_heads, k_heads, start, stop, d)
-        return jnp.exp(scores - lse_heads[..., start:stop, :])
-
-    return _backward_by_tiles(
-        q.reshape(b, seq_len, n_heads * d),
-        k_heads,
-        v_heads,
-        error_rows,
-        n_heads,
-        _tile_bounds(seq_len, tiles),
-        tile_weights,
-        context_heads,
-    )
-
-
-def rotary_angles(
-    seq_len: int, head_width: int, base: float, tie: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """$\\cos\\theta$ and $\\sin\\theta$ of the rotary angles
-    $\\theta_{t,i} = t\\, b^{-2i/d}$ for positions $t < T$ = `seq_len` and pairs
-    $i < d/2$ ($d$ = `head_width`, even; $b$ = `base`), each `(T, d/2)` in float32.
-
-    `tie`, an array of the step's data (the rows being rotated), makes the angles depend on
-    it (NaN where its first entry is NaN, which the rotated rows would be anyway), so that XLA
-    neither folds them into constants nor hoists them out of `run`'s scan: folded or hoisted,
-    they are computed by another implementation of cos and sin than inside the step's
-    kernels, and K `step`s and one K-step `run` would differ in the last bits."""
-    exponents = jnp.arange(0, head_width, 2, dtype=jnp.float32) / head_width
-    frequencies = 1.0 / (base**exponents)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * frequencies[None, :]
-    if tie is not None:
-        probe = widened(jnp.ravel(tie)[0])
-        angles = jnp.where(jnp.isnan(probe), jnp.float32(jnp.nan), angles)
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def rotate_rows(
-    x: jax.Array, n_heads: int, base: float, *, inverse: bool = False
-) -> jax.Array:
-    """Rotary position embedding of rows `(B, T, H d)`: in each head, the pair of features
-    $(i, i + d/2)$ at position $t$ is rotated by $\\theta_{t,i}$ (`rotary_angles`),
-
-    $$x'_i = x_i \\cos\\theta - x_{i+d/2} \\sin\\theta, \\qquad
-    x'_{i+d/2} = x_i \\sin\\theta + x_{i+d/2} \\cos\\theta$$
-
-    (the half-split pairing of GPT-NeoX and LLaMA). `inverse=True` rotates by
-    $-\\theta$: the transpose, which is the backward of the rotation."""
-    b, t, width = x.shape
-    d = width // n_heads
-    half = d // 2
-    cos, sin = rotary_angles(t, d, base, tie=x)
-    cos, sin = to_compute(cos)[:, None, :], to_compute(sin)[:, None, :]  # (T, 1, d/2)
-    if inverse:
-        sin = -sin
-    heads = x.reshape(b, t, n_heads, d)
-    first, second = heads[..., :half], heads[..., half:]
-    rotated = jnp.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
-    return rotated.reshape(b, t, width)
 
 
 def _check_positions(positions: object, base: object) -> None:
@@ -495,6 +197,8 @@ class MultiHeadAttention(AbstractPart):
     `named(wqkv=..., wo=...)`), so report rows read `...attention.wq`. Shapes and heads are
     checked at trace time (before anything runs) with errors naming the part's path.
     """
+
+    defers_updates: ClassVar[bool] = True
 
     wq: AbstractPart | None
     wk: AbstractPart | None
@@ -618,113 +322,37 @@ class MultiHeadAttention(AbstractPart):
         )
 
     def compile(self, path: str) -> Core:
-        where = display_path(path)
-        n_heads = self.n_heads
         names = self._slot_names()
         cores = {name: getattr(self, name).compile(join_path(path, name)) for name in names}
-        rotary, base = self.positions == "rotary", self.rotary_base
 
-        def check_slot(name: str, y, x) -> None:
-            expect_rank(join_path(path, name), y, 3, _LAYOUT, what="output")
-            if y.shape[:2] != x.shape[:2]:
-                raise ValueError(
-                    f"{display_path(join_path(path, name))}: expected an output of shape "
-                    f"{tuple(x.shape[:2])} + (width,) (the input's batch and sequence), got "
-                    f"{tuple(y.shape)}."
-                )
-
-        def project(state: AttentionState, x):
-            """Q, K, V `(B, T, D)` and the slots' caches."""
-            caches = {}
-            if self.fused:
-                qkv, caches["wqkv"] = cores["wqkv"].forward(state.wqkv, x)
-                check_slot("wqkv", qkv, x)
-                if qkv.shape[-1] % 3:
-                    raise ValueError(
-                        f"{where}: the fused slot wqkv must output [q | k | v], three equal "
-                        f"widths, but its output width {qkv.shape[-1]} is not divisible by 3."
-                    )
-                q, k, v = jnp.split(qkv, 3, axis=-1)
-                return (q, k, v), caches
-            outputs = []
-            for name in _SEPARATE:
-                y, caches[name] = cores[name].forward(getattr(state, name), x)
-                check_slot(name, y, x)
-                outputs.append(y)
-            widths = {name: y.shape[-1] for name, y in zip(_SEPARATE, outputs)}
-            if len(set(widths.values())) != 1:
-                raise ValueError(
-                    f"{where}: the slots wq, wk, wv must output the same width, got {widths}."
-                )
-            return tuple(outputs), caches
-
-        def forward(state: AttentionState, x):
+        def forward(state: AttentionState, x, ctx: StepContext):
             expect_rank(path, x, 3, _LAYOUT)
-            (q, k, v), caches = project(state, x)
-            width = q.shape[-1]
-            if width % n_heads:
-                raise ValueError(
-                    f"{where}: n_heads={n_heads} does not divide the width {width} of Q, K and "
-                    f"V; choose n_heads dividing {width} or change the slots' output width."
-                )
-            if rotary:
-                if (width // n_heads) % 2:
-                    raise ValueError(
-                        f"{where}: positions='rotary' rotates pairs of features in each head, "
-                        f"so the head width must be even, got {width // n_heads} (width "
-                        f"{width} over n_heads={n_heads})."
-                    )
-                q, k = (rotate_rows(a, n_heads, base) for a in (q, k))
-            tiles = self.causal_tiles or causal_tiles_for(q.shape[1])
-            if self.mixing == "dot_product_attention":
-                b, t = q.shape[:2]
-                q, k, v = (a.reshape(b, t, n_heads, width // n_heads) for a in (q, k, v))
-                if self.mixing_implementation == "cudnn" and q.dtype not in _CUDNN_DTYPES:
-                    raise ValueError(
-                        f"{where}: mixing_implementation='cudnn' needs float16 or bfloat16 "
-                        f"Q, K, V (cuDNN's fused attention), got {q.dtype}; leave "
-                        "mixing_implementation=None (or 'xla') for this dtype."
-                    )
-                context, lse = causal_mix_dot_product(q, k, v, self.mixing_implementation)
-                y, caches["wo"] = cores["wo"].forward(state.wo, context.reshape(b, t, width))
-                return y, DotProductAttentionCache(
-                    slots=AttentionSlotCaches(**caches), q=q, k=k, v=v, context=context, lse=lse
-                )
-            q_rows = q
-            q, k, v = (_split_heads(a, n_heads) for a in (q, k, v))
-            context, weights = causal_mix_tiles(q, k, v, tiles)
-            y, caches["wo"] = cores["wo"].forward(state.wo, _merge_heads(context))
-            return y, AttentionCache(
-                slots=AttentionSlotCaches(**caches), q=q_rows, k=k, v=v, weights=weights
-            )
+            (q, k, v), caches = self._project(cores, path, state, x, ctx)
+            self._check_heads(path, q.shape[-1])
+            if self.positions == "rotary":
+                q, k = (rotate_rows(a, self.n_heads, self.rotary_base,
+                                    dtype=ctx.compute_dtype) for a in (q, k))
+            return self._mix(cores, path, state, caches, (q, k, v), ctx)
 
-        def backward(
-            state: AttentionState, cache: AttentionCache | DotProductAttentionCache, error
-        ):
+        def backward(state: AttentionState, cache: AttentionCache | DotProductAttentionCache,
+                     error, ctx: StepContext):
             new_states, metrics = {}, {}
             d_context, new_states["wo"], metrics["wo"] = cores["wo"].backward(
-                state.wo, cache.slots.wo, error
+                state.wo, cache.slots.wo, error, ctx
             )
-            if isinstance(cache, DotProductAttentionCache):
-                tiles = self.causal_tiles or causal_tiles_for(cache.q.shape[1])
-                d_q, d_k, d_v = causal_mix_dot_product_backward_rows(
-                    cache.q, cache.k, cache.v, cache.context, cache.lse, d_context, tiles
-                )
-            else:
-                d_q, d_k, d_v = causal_mix_backward_rows(
-                    cache.q, cache.k, cache.v, cache.weights, d_context, n_heads
-                )
-            if rotary:  # errors at the rotated Q and K, rotated back (the transpose)
-                d_q, d_k = (rotate_rows(a, n_heads, base, inverse=True) for a in (d_q, d_k))
+            d_q, d_k, d_v = self._mix_backward(cache, d_context, ctx)
+            if self.positions == "rotary":  # errors at the rotated Q and K, rotated back
+                d_q, d_k = (rotate_rows(a, self.n_heads, self.rotary_base, inverse=True,
+                                        dtype=ctx.compute_dtype) for a in (d_q, d_k))
             if self.fused:
                 input_error, new_states["wqkv"], metrics["wqkv"] = cores["wqkv"].backward(
-                    state.wqkv, cache.slots.wqkv, jnp.concatenate([d_q, d_k, d_v], axis=-1)
+                    state.wqkv, cache.slots.wqkv, jnp.concatenate([d_q, d_k, d_v], axis=-1), ctx
                 )
             else:
                 input_error = None
                 for name, d in zip(_SEPARATE, (d_q, d_k, d_v)):
                     e, new_states[name], metrics[name] = cores[name].backward(
-                        getattr(state, name), getattr(cache.slots, name), d
+                        getattr(state, name), getattr(cache.slots, name), d, ctx
                     )
                     input_error = e if input_error is None else input_error + e
             ordered = named(**{name: metrics[name] for name in names})
@@ -736,3 +364,98 @@ class MultiHeadAttention(AbstractPart):
             )
 
         return Core(forward, backward, write_back)
+
+    @staticmethod
+    def _check_slot(path: str, name: str, y, x) -> None:
+        expect_rank(join_path(path, name), y, 3, _LAYOUT, what="output")
+        if y.shape[:2] != x.shape[:2]:
+            raise ValueError(
+                f"{display_path(join_path(path, name))}: expected an output of shape "
+                f"{tuple(x.shape[:2])} + (width,) (the input's batch and sequence), got "
+                f"{tuple(y.shape)}."
+            )
+
+    def _project(self, cores: dict[str, Core], path: str, state: AttentionState, x,
+                 ctx: StepContext):
+        """Q, K, V `(B, T, D)` from the slots, and the slots' caches."""
+        caches = {}
+        if self.fused:
+            qkv, caches["wqkv"] = cores["wqkv"].forward(state.wqkv, x, ctx)
+            self._check_slot(path, "wqkv", qkv, x)
+            if qkv.shape[-1] % 3:
+                raise ValueError(
+                    f"{display_path(path)}: the fused slot wqkv must output [q | k | v], three "
+                    f"equal widths, but its output width {qkv.shape[-1]} is not divisible by 3."
+                )
+            q, k, v = jnp.split(qkv, 3, axis=-1)
+            return (q, k, v), caches
+        outputs = []
+        for name in _SEPARATE:
+            y, caches[name] = cores[name].forward(getattr(state, name), x, ctx)
+            self._check_slot(path, name, y, x)
+            outputs.append(y)
+        widths = {name: y.shape[-1] for name, y in zip(_SEPARATE, outputs)}
+        if len(set(widths.values())) != 1:
+            raise ValueError(
+                f"{display_path(path)}: the slots wq, wk, wv must output the same width, got "
+                f"{widths}."
+            )
+        return tuple(outputs), caches
+
+    def _check_heads(self, path: str, width: int) -> None:
+        """Refuses a width that the heads do not divide (or, with rotary positions, an odd
+        head width), naming the part."""
+        n_heads, where = self.n_heads, display_path(path)
+        if width % n_heads:
+            raise ValueError(
+                f"{where}: n_heads={n_heads} does not divide the width {width} of Q, K and "
+                f"V; choose n_heads dividing {width} or change the slots' output width."
+            )
+        if self.positions == "rotary" and (width // n_heads) % 2:
+            raise ValueError(
+                f"{where}: positions='rotary' rotates pairs of features in each head, "
+                f"so the head width must be even, got {width // n_heads} (width "
+                f"{width} over n_heads={n_heads})."
+            )
+
+    def _mix(self, cores: dict[str, Core], path: str, state: AttentionState,
+             caches: dict[str, Any], qkv: tuple[jax.Array, jax.Array, jax.Array],
+             ctx: StepContext):
+        """The mixing and the output slot: `(y, cache)`."""
+        q, k, v = qkv
+        n_heads, width = self.n_heads, q.shape[-1]
+        if self.mixing == "dot_product_attention":
+            b, t = q.shape[:2]
+            q, k, v = (a.reshape(b, t, n_heads, width // n_heads) for a in (q, k, v))
+            if self.mixing_implementation == "cudnn" and q.dtype not in _CUDNN_DTYPES:
+                raise ValueError(
+                    f"{display_path(path)}: mixing_implementation='cudnn' needs float16 or "
+                    f"bfloat16 Q, K, V (cuDNN's fused attention), got {q.dtype}; leave "
+                    "mixing_implementation=None (or 'xla') for this dtype."
+                )
+            context, lse = causal_mix_dot_product(q, k, v, self.mixing_implementation)
+            y, caches["wo"] = cores["wo"].forward(state.wo, context.reshape(b, t, width), ctx)
+            return y, DotProductAttentionCache(
+                slots=AttentionSlotCaches(**caches), q=q, k=k, v=v, context=context, lse=lse
+            )
+        tiles = self.causal_tiles or causal_tiles_for(q.shape[1])
+        q_rows = q
+        q, k, v = (split_heads(a, n_heads) for a in (q, k, v))
+        context, weights = causal_mix_tiles(q, k, v, tiles, ctx.compute_dtype)
+        y, caches["wo"] = cores["wo"].forward(state.wo, merge_heads(context), ctx)
+        return y, AttentionCache(
+            slots=AttentionSlotCaches(**caches), q=q_rows, k=k, v=v, weights=weights
+        )
+
+    def _mix_backward(self, cache: AttentionCache | DotProductAttentionCache, d_context,
+                      ctx: StepContext):
+        """`(dQ, dK, dV)` as rows from the error at the mixing's output."""
+        if isinstance(cache, DotProductAttentionCache):
+            tiles = self.causal_tiles or causal_tiles_for(cache.q.shape[1])
+            return causal_mix_dot_product_backward_rows(
+                cache.q, cache.k, cache.v, cache.context, cache.lse, d_context, tiles,
+                ctx.compute_dtype,
+            )
+        return causal_mix_backward_rows(
+            cache.q, cache.k, cache.v, cache.weights, d_context, self.n_heads, ctx.compute_dtype
+        )

@@ -10,14 +10,15 @@ two parts, and the parameters get no gradient (they are frozen).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from fusedpc.core._checks import expect_last_axis
-from fusedpc.core._metrics import FiniteFlag, all_finite
+from fusedpc.core._metrics import FiniteFlag
+from fusedpc.core._norms import all_finite
 from fusedpc.core._part import (
     AbstractPart,
     Core,
@@ -80,6 +81,8 @@ class AutodiffFrozen(AbstractPart):
     module's skeleton compares with `==`, which compares the functions inside it by identity)
     and their arrays have the same shapes.
     """
+
+    defers_updates: ClassVar[bool] = True
 
     fn: Callable[[PyTree, Any], Any] | None = eqx.field(static=True)
     params: PyTree
@@ -161,7 +164,7 @@ class AutodiffFrozen(AbstractPart):
     def compile(self, path: str) -> Core:
         where = display_path(path)
 
-        def forward(state: FrozenState, x):
+        def forward(state: FrozenState, x, ctx):
             if jnp.ndim(x) < 1 and not _is_integer(x):
                 raise ValueError(
                     f"{where}: expected an input of shape (..., features), got shape "
@@ -180,7 +183,7 @@ class AutodiffFrozen(AbstractPart):
             self._check_output(where, x, y)
             return y, AutodiffCache(pullback)
 
-        def backward(state: FrozenState, cache: AutodiffCache, error):
+        def backward(state: FrozenState, cache: AutodiffCache, error, ctx):
             input_error = None if cache.pullback is None else cache.pullback(error)[0]
             return input_error, state, FiniteFlag(finite=all_finite(input_error))
 

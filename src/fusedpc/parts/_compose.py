@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -38,6 +38,8 @@ class Sequential(AbstractPart):
 
     Metrics and paths name the children `parts[i]`.
     """
+
+    defers_updates: ClassVar[bool] = True
 
     parts: tuple[AbstractPart, ...]
 
@@ -84,19 +86,19 @@ class Sequential(AbstractPart):
         names = [join_path(path, f"parts[{i}]") for i in range(len(self.parts))]
         cores = [check_part(p, n).compile(n) for p, n in zip(self.parts, names)]
 
-        def forward(state: SequentialState, x):
+        def forward(state: SequentialState, x, ctx):
             caches = []
             for core, sub in zip(cores, state.parts):
-                x, cache = core.forward(sub, x)
+                x, cache = core.forward(sub, x, ctx)
                 caches.append(cache)
             return x, SequentialCache(tuple(caches))
 
-        def backward(state: SequentialState, cache: SequentialCache, error):
+        def backward(state: SequentialState, cache: SequentialCache, error, ctx):
             new_states = [None] * len(cores)
             metrics = [None] * len(cores)
             for i in reversed(range(len(cores))):
                 error, new_states[i], metrics[i] = cores[i].backward(
-                    state.parts[i], cache.parts[i], error
+                    state.parts[i], cache.parts[i], error, ctx
                 )
             return error, SequentialState(tuple(new_states)), named(parts=tuple(metrics))
 
@@ -119,6 +121,8 @@ class Residual(AbstractPart):
     Backward: the error $E$ goes both ways, straight through and through the branch, and the
     two messages add: $\\partial L/\\partial x = E + \\mathrm{branch}^\\top(E)$.
     """
+
+    defers_updates: ClassVar[bool] = True
 
     branch: AbstractPart
 
@@ -145,8 +149,8 @@ class Residual(AbstractPart):
         name = join_path(path, "branch")
         core = check_part(self.branch, name).compile(name)
 
-        def forward(state: ResidualState, x):
-            y, cache = core.forward(state.branch, x)
+        def forward(state: ResidualState, x, ctx):
+            y, cache = core.forward(state.branch, x, ctx)
             if y.shape != x.shape:
                 raise ValueError(
                     f"{display_path(name)}: a residual branch must keep its input's shape; "
@@ -154,8 +158,8 @@ class Residual(AbstractPart):
                 )
             return x + y, cache
 
-        def backward(state: ResidualState, cache, error):
-            branch_error, new_branch, metrics = core.backward(state.branch, cache, error)
+        def backward(state: ResidualState, cache, error, ctx):
+            branch_error, new_branch, metrics = core.backward(state.branch, cache, error, ctx)
             return error + branch_error, ResidualState(new_branch), named(branch=metrics)
 
         def write_back(state: ResidualState) -> Residual:

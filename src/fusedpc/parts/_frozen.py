@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import equinox as eqx
 import jax
 
 from fusedpc.core._checks import expect_last_axis
-from fusedpc.core._metrics import FiniteFlag, all_finite
+from fusedpc.core._metrics import FiniteFlag
+from fusedpc.core._norms import all_finite
 from fusedpc.core._part import (
     AbstractPart,
     Core,
@@ -36,6 +38,15 @@ def run_forward(where: str, name: str, x: Any, forward: Callable[[], Any]) -> An
         ) from err
 
 
+def takes_context(function: Callable[..., Any]) -> bool:
+    """Whether a formula takes the step context: it has a parameter named `ctx` (by name,
+    so that a formula with a defaulted third parameter of its own is never handed one)."""
+    try:
+        return "ctx" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
+
+
 class FrozenState(eqx.Module):
     """State of a frozen part: its parameters (arrays), carried unchanged through every step."""
 
@@ -48,21 +59,28 @@ class Frozen(AbstractPart):
     `forward(params, x) -> (y, cache)` and `backward(params, cache, error) -> input_error`,
     where `error` is the descent error $\\partial L/\\partial y$ and `input_error` must be
     $\\partial L/\\partial x = \\mathrm{vjp}(\\text{forward})(\\text{error})$; check that with
-    `fusedpc.check_backward(part, x)`. `params` is any pytree of arrays (or `None`); it is
+    `fusedpc.check_backward(part, x)`. A formula with a last parameter named `ctx`,
+    `forward(params, x, ctx)` or `backward(params, cache, error, ctx)`, gets the step context
+    (`fusedpc.core.StepContext`): compute through `ctx.matmul` and `ctx.to_compute` to follow
+    the step's compute dtype. `params` is any pytree of arrays (or `None`); it is
     carried in the state, never captured in a closure. `in_width`, when given, is checked
     against the last axis of the input before anything is compiled.
     """
 
-    forward_fn: Callable[[PyTree, Any], tuple[Any, PyTree]] = eqx.field(static=True)
-    backward_fn: Callable[[PyTree, PyTree, Any], Any] = eqx.field(static=True)
+    forward_fn: Callable[..., tuple[Any, PyTree]] = eqx.field(static=True)
+    backward_fn: Callable[..., Any] = eqx.field(static=True)
     params: PyTree
     in_width: int | None = eqx.field(static=True)
     name: str = eqx.field(static=True)
+    forward_takes_context: bool = eqx.field(static=True)
+    backward_takes_context: bool = eqx.field(static=True)
+
+    defers_updates: ClassVar[bool] = True  # it has no optimiser step
 
     def __init__(
         self,
-        forward: Callable[[PyTree, Any], tuple[Any, PyTree]],
-        backward: Callable[[PyTree, PyTree, Any], Any],
+        forward: Callable[..., tuple[Any, PyTree]],
+        backward: Callable[..., Any],
         params: PyTree = None,
         *,
         in_width: int | None = None,
@@ -82,6 +100,8 @@ class Frozen(AbstractPart):
             )
         self.forward_fn = forward
         self.backward_fn = backward
+        self.forward_takes_context = takes_context(forward)
+        self.backward_takes_context = takes_context(backward)
         self.params = params
         self.in_width = None if in_width is None else int(in_width)
         self.name = name or cast(str, getattr(forward, "__name__", "frozen"))
@@ -107,13 +127,19 @@ class Frozen(AbstractPart):
     def compile(self, path: str) -> Core:
         where = display_path(path)
 
-        def forward(state: FrozenState, x):
+        def forward(state: FrozenState, x, ctx):
             if self.in_width is not None:
                 expect_last_axis(path, x, self.in_width)
+            if self.forward_takes_context:
+                return run_forward(where, self.name, x,
+                                   lambda: self.forward_fn(state.params, x, ctx))
             return run_forward(where, self.name, x, lambda: self.forward_fn(state.params, x))
 
-        def backward(state: FrozenState, cache, error):
-            input_error = self.backward_fn(state.params, cache, error)
+        def backward(state: FrozenState, cache, error, ctx):
+            if self.backward_takes_context:
+                input_error = self.backward_fn(state.params, cache, error, ctx)
+            else:
+                input_error = self.backward_fn(state.params, cache, error)
             return input_error, state, FiniteFlag(finite=all_finite(input_error))
 
         def write_back(state: FrozenState) -> Frozen:

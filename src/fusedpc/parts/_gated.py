@@ -4,7 +4,7 @@ hand-derived backward."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -73,6 +73,8 @@ class GatedFeedForward(AbstractPart):
     the order gate, up, down.
     """
 
+    defers_updates: ClassVar[bool] = True
+
     gate: AbstractPart
     up: AbstractPart
     down: AbstractPart
@@ -131,25 +133,25 @@ class GatedFeedForward(AbstractPart):
         cores = {name: getattr(self, name).compile(join_path(path, name)) for name in _SLOTS}
         act = get_activation(self.activation, "GatedFeedForward: activation")
 
-        def forward(state: GatedState, x):
-            g, c_gate = cores["gate"].forward(state.gate, x)
-            u, c_up = cores["up"].forward(state.up, x)
+        def forward(state: GatedState, x, ctx):
+            g, c_gate = cores["gate"].forward(state.gate, x, ctx)
+            u, c_up = cores["up"].forward(state.up, x, ctx)
             if g.shape != u.shape:
                 raise ValueError(
                     f"{display_path(path)}: the slots gate and up must output the same shape, "
                     f"got {tuple(g.shape)} (gate) and {tuple(u.shape)} (up) for an input of "
                     f"shape {tuple(x.shape)}."
                 )
-            y, c_down = cores["down"].forward(state.down, act.value(g) * u)
+            y, c_down = cores["down"].forward(state.down, act.value(g) * u, ctx)
             return y, GatedCache(c_gate, c_up, c_down, g, u)
 
-        def backward(state: GatedState, cache: GatedCache, error):
+        def backward(state: GatedState, cache: GatedCache, error, ctx):
             g, u = cache.g, cache.u
-            e_h, s_down, m_down = cores["down"].backward(state.down, cache.down, error)
+            e_h, s_down, m_down = cores["down"].backward(state.down, cache.down, error, ctx)
             e_gate, s_gate, m_gate = cores["gate"].backward(
-                state.gate, cache.gate, e_h * u * act.first(g)
+                state.gate, cache.gate, e_h * u * act.first(g), ctx
             )
-            e_up, s_up, m_up = cores["up"].backward(state.up, cache.up, e_h * act.value(g))
+            e_up, s_up, m_up = cores["up"].backward(state.up, cache.up, e_h * act.value(g), ctx)
             metrics = named(gate=m_gate, up=m_up, down=m_down)
             return e_gate + e_up, GatedState(s_gate, s_up, s_down), metrics
 

@@ -3,12 +3,11 @@ compiled program (and its compile time) does not grow with N."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -16,20 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedpc.core._checks import check_part
-from fusedpc.core._gradients import (
-    DeferredUpdate,
-    add_gradient_square,
-    collect_gradient_squares,
-    collecting_gradient_squares,
-    deferred_updates,
-)
-from fusedpc.core._metrics import (
-    Stacked,
-    measured_together,
-    measuring,
-    resolve_pending,
-    stack_metrics,
-)
+from fusedpc.core._context import StepContext
+from fusedpc.core._gradients import DeferredUpdate
+from fusedpc.core._measured import Measured, resolve_pending
+from fusedpc.core._metrics import Stacked, stack_metrics
 from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
 
 
@@ -201,43 +190,60 @@ def _slice(tree: PyTree, i: int) -> PyTree:
 
 def stacks_updates(block: AbstractPart) -> bool:
     """Whether an unrolled `Repeat` of `block` may run its parts' optimiser steps once over
-    the stacked blocks (`_apply_stacked`): only when every part in the block is one of
-    fusedpc's own, which read what their optimiser step returns only to build their new
-    state and report it. A part of your own anywhere in the block keeps every block's step
-    its own (the same numbers, one kernel per block)."""
-    if not type(block).__module__.startswith("fusedpc."):
+    the stacked blocks (`_apply_stacked`): only when every part in the block declares
+    `defers_updates` (it reads what its optimiser step returns only to build its new state
+    and report it). Any other part anywhere in the block keeps every block's step its own
+    (the same numbers, one kernel per block)."""
+    if not type(block).defers_updates:
         return False
     return all(stacks_updates(child) for _, child in block.children())
 
 
-def _whole(found: Sequence[tuple[Any, int] | None]) -> Any:
-    """The stacked array whose rows 0..N-1 the N entries of `found` (each `(array, row)` or
-    `None`) are, or `None` when they are not exactly that."""
-    first = found[0]
-    if first is None or any(f is None or f[0] is not first[0] for f in found):
-        return None
-    return first[0] if [f[1] for f in found] == list(range(len(found))) else None  # type: ignore[index]
+Path = tuple[Any, ...]
 
 
-def _stacked_operand(pieces: Sequence[PyTree], rows: dict[int, tuple[Any, int]]) -> PyTree:
-    """`pieces` (one tree per block) stacked leafwise; a leaf whose pieces are rows 0..N-1 of
-    one stacked array (the blocks' old state, read as slices) is that array itself."""
-    def stack(*leaves):
-        whole = _whole([rows.get(id(leaf)) for leaf in leaves])
-        return jnp.stack(leaves) if whole is None else whole
+def _paths_of(tree: PyTree, leaves: Sequence[Any]) -> list[Path | None]:
+    """The tree path at which each of `leaves` sits in `tree` (the very object), or None."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [next((path for path, x in flat if x is leaf), None) for leaf in leaves]
 
-    return jax.tree_util.tree_map(stack, *pieces)
+
+def _leaf_at(tree: PyTree, path: Path) -> Any:
+    """The leaf of `tree` at `path` (a path of `tree_flatten_with_path`)."""
+    return dict(jax.tree_util.tree_flatten_with_path(tree)[0])[path]
+
+
+def _stacked_operand(pieces: Sequence[PyTree], olds: Sequence[PyTree],
+                     stacked_old: PyTree) -> PyTree:
+    """`pieces` (one tree per block) stacked leafwise; a leaf that every block read from
+    one path of its old state (its slice of the stacked state) is the stacked array at that
+    path itself, not a stack of its slices."""
+    columns = [jax.tree_util.tree_leaves(piece) for piece in pieces]
+    at = [_paths_of(old, leaves) for old, leaves in zip(olds, columns, strict=True)]
+    stacked = []
+    for j in range(len(columns[0])):
+        paths = {at[i][j] for i in range(len(pieces))}
+        path = paths.pop() if len(paths) == 1 else None
+        if path is not None:
+            stacked.append(_leaf_at(stacked_old, path))
+        else:
+            stacked.append(jnp.stack([column[j] for column in columns]))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pieces[0]), stacked)
 
 
 def _apply_stacked(records: list[DeferredUpdate], old_states: Sequence[PyTree],
                    stacked_old: PyTree, new_states: Sequence[PyTree]) -> PyTree:
-    """The blocks' new states stacked, with the optax steps their parts deferred
-    (`deferred_updates`) applied once over the stacked blocks: call $c$ of every block runs
-    as one `jax.vmap` of its optimiser over the blocks' stacked gradients, parameters and
-    optimiser states, so that XLA updates every block in one kernel per shape and writes the
-    stacked state directly, as a scan body would, instead of one kernel per block and shape
-    followed by a concatenation. Each block's update is the same arithmetic as its own step
-    (the optimiser runs per block under `vmap`)."""
+    """The blocks' new states stacked, with the optimiser steps their parts deferred (the
+    context's deferred-update sink) applied once over the stacked blocks: call $c$ of every
+    block runs as one `jax.vmap` of its optimiser over the blocks' stacked gradients,
+    parameters and optimiser states, so that XLA updates every block in one kernel per shape
+    and writes the stacked state directly, as a scan body would, instead of one kernel per
+    block and shape followed by a concatenation. Each block's update is the same arithmetic
+    as its own step (the optimiser runs per block under `vmap`).
+
+    Where each step's results go is read by structure: the tree paths at which block $i$'s
+    new state holds the stand-ins of its step $c$, the same paths in every block (the blocks
+    are structurally identical); the stacked results are put at those paths."""
     n = len(new_states)
     if len(records) % n:
         raise AssertionError(  # blocks are structurally identical: a bug if this happens
@@ -245,51 +251,44 @@ def _apply_stacked(records: list[DeferredUpdate], old_states: Sequence[PyTree],
     per_block = len(records) // n
     # traced from the last block to the first
     calls = [records[(n - 1 - i) * per_block:(n - i) * per_block] for i in range(n)]
-    rows: dict[int, tuple[Any, int]] = {}
-    for i, piece in enumerate(old_states):
-        for leaf, whole in zip(jax.tree_util.tree_leaves(piece),
-                               jax.tree_util.tree_leaves(stacked_old), strict=True):
-            rows[id(leaf)] = (whole, i)
-    placed: dict[int, tuple[Any, int]] = {}  # a stand-in's id -> (stacked result, block)
+    results: dict[Path, Any] = {}  # a path of the stacked new state -> its stacked value
     for c in range(per_block):
         steps = [calls[i][c] for i in range(n)]
         if all(step.optimiser is steps[0].optimiser for step in steps):
-            params, state = jax.vmap(steps[0].apply)(
-                _stacked_operand([step.params for step in steps], rows),
+            stacked = jax.vmap(steps[0].apply)(
+                _stacked_operand([step.params for step in steps], old_states, stacked_old),
                 jax.tree_util.tree_map(lambda *g: jnp.stack(g),
                                        *[step.gradients for step in steps]),
-                _stacked_operand([step.opt_state for step in steps], rows),
+                _stacked_operand([step.opt_state for step in steps], old_states, stacked_old),
             )
-            results = [(params, state)] * n
-            at = list(range(n))
         else:  # not one optimiser object: each block's own step, stacked as before
-            results = [step.apply(step.params, step.gradients, step.opt_state)
-                       for step in steps]
-            at = [-1] * n
-        for i, step in enumerate(steps):
-            for stand_ins, values in zip((step.new_params, step.new_state), results[i]):
-                for stand_in, value in zip(jax.tree_util.tree_leaves(stand_ins),
-                                           jax.tree_util.tree_leaves(values), strict=True):
-                    if isinstance(stand_in, jax.Array):  # what a part puts in its state
-                        placed[id(stand_in)] = (value, at[i])
-    used: set[int] = set()
+            stacked = _stack([step.apply(step.params, step.gradients, step.opt_state)
+                              for step in steps])
+        _place(results, steps, jax.tree_util.tree_leaves(stacked), new_states)
+    flat, structure = jax.tree_util.tree_flatten_with_path(new_states[0])
+    columns = [jax.tree_util.tree_leaves(state) for state in new_states]
+    leaves = [results[path] if path in results else jnp.stack([col[j] for col in columns])
+              for j, (path, _) in enumerate(flat)]
+    return jax.tree_util.tree_unflatten(structure, leaves)
 
-    def stack(*leaves):
-        found = [placed.get(id(leaf)) for leaf in leaves]
-        if all(f is None for f in found):
-            return jnp.stack(leaves)
-        if any(f is None for f in found):
-            raise AssertionError("Repeat: blocks put their new parameters in different places.")
-        used.update(id(leaf) for leaf in leaves)
-        whole = _whole(found)
-        return jnp.stack([f[0] for f in found]) if whole is None else whole  # type: ignore[index]
 
-    stacked = jax.tree_util.tree_map(stack, *new_states)
-    if len(used) != len(placed):
-        raise AssertionError(  # a stand-in not in the new state would be read as zeros
-            "Repeat: a part used its optimiser's result outside its new state; deferred "
-            "optimiser steps cannot serve it.")
-    return stacked
+def _place(results: dict[Path, Any], steps: Sequence[DeferredUpdate], values: list[Any],
+           new_states: Sequence[PyTree]) -> None:
+    """Put the stacked `values` of one deferred call (`steps`, one per block) at the paths of
+    the new state that hold its stand-ins, which must be one path for every block."""
+    stand_ins = [jax.tree_util.tree_leaves((step.new_params, step.new_state)) for step in steps]
+    for j, value in enumerate(values):
+        if not isinstance(stand_ins[0][j], jax.Array):  # not an array of the state
+            continue
+        paths = {_paths_of(state, [leaves[j]])[0]
+                 for state, leaves in zip(new_states, stand_ins, strict=True)}
+        path = paths.pop() if len(paths) == 1 else None
+        if path is None:
+            raise AssertionError(  # a stand-in not in the new state would read as zeros
+                "Repeat: a part used its optimiser's result outside its new state, or the "
+                "blocks put it in different places; deferred optimiser steps cannot serve it "
+                "(declare defers_updates = False on that part's class).")
+        results[path] = value
 
 
 class Repeat(AbstractPart):
@@ -313,6 +312,8 @@ class Repeat(AbstractPart):
     Build from N blocks, `Repeat([b0, b1, ...])`, or from a factory,
     `Repeat.from_factory(factory, n, key)` with `factory(key) -> block`.
     """
+
+    defers_updates: ClassVar[bool] = True
 
     blocks: tuple[AbstractPart, ...]
     unroll: bool = eqx.field(static=True)
@@ -384,98 +385,13 @@ class Repeat(AbstractPart):
         return self.blocks[0].input_checks(x, join_path(path, "[0]"))
 
     def compile(self, path: str) -> Core:
-        n = len(self.blocks)
         if self.unroll:
-            names = [join_path(path, f"[{i}]") for i in range(n)]
+            names = [join_path(path, f"[{i}]") for i in range(len(self.blocks))]
             cores = [block.compile(name) for block, name in zip(self.blocks, names)]
-            stacked_updates = stacks_updates(self.blocks[0])
+            forward, backward = _unrolled(cores, names, stacks_updates(self.blocks[0]))
         else:
-            names = [join_path(path, "[*]")]
-            cores = [self.blocks[0].compile(names[0])]
-
-        def check_block(x, y, name: str) -> None:
-            """Trace-time check that a block kept its input's shape and dtype (on the block's
-            own trace: no trace of its own)."""
-            shape, dtype = getattr(y, "shape", None), getattr(y, "dtype", None)
-            if shape != jnp.shape(x) or dtype != jnp.result_type(x):
-                raise ValueError(
-                    f"{display_path(name)}: a repeated block must keep its input's shape "
-                    f"and dtype; input {_describe(x)}, output {dtype}{list(shape or ())}."
-                )
-
-        def forward(state: RepeatState, x):
-            if self.unroll:
-                caches = []
-                for i, core in enumerate(cores):
-                    y, cache = core.forward(_slice(state.blocks, i), x)
-                    check_block(x, y, names[i])
-                    x = y
-                    caches.append(cache)
-                return x, RepeatCache(tuple(caches))
-
-            def step(h, block_state):
-                y, cache = cores[0].forward(block_state, h)
-                check_block(h, y, names[0])
-                return y, cache
-
-            y, caches = jax.lax.scan(step, x, state.blocks)
-            return y, RepeatCache(caches)
-
-        def backward(state: RepeatState, cache: RepeatCache, error):
-            if self.unroll:
-                new_states, metrics = [None] * n, [None] * n
-                old_states = [_slice(state.blocks, i) for i in range(n)]
-                measured = measuring()
-                # Inside a step (its norms measured together, which read the stand-ins of a
-                # deferred step as rows of the stacked result), the blocks' optimiser steps
-                # run once over the stack.
-                deferring = deferred_updates() if measured is not None and stacked_updates \
-                    else None
-                with deferring or contextlib.nullcontext() as records:
-                    for i in reversed(range(n)):
-                        error, new_states[i], metrics[i] = cores[i].backward(
-                            old_states[i], cache.blocks[i], error
-                        )
-                if records:
-                    stacked = _apply_stacked(records, old_states, state.blocks, new_states)
-                else:
-                    stacked = _stack(new_states)
-                if measured is not None:  # the blocks' norms: one sum per row of the stack
-                    measured.rows_of(old_states, state.blocks)
-                    measured.rows_of(new_states, stacked)
-                return error, RepeatState(blocks=stacked), Stacked(stack_metrics(metrics))
-
-            collecting = collecting_gradient_squares()
-            measuring_blocks = measuring() is not None
-
-            def block_backward(block_state, block_cache, e):
-                if not measuring_blocks:
-                    return cores[0].backward(block_state, block_cache, e)
-                # a block's report norms are traced in the scan body: measured there
-                with measured_together() as measured:
-                    e, new_state, block_metrics = cores[0].backward(block_state, block_cache, e)
-                return e, new_state, resolve_pending(block_metrics, measured)
-
-            def step(e, block):
-                block_state, block_cache = block
-                if not collecting:
-                    e, new_state, block_metrics = block_backward(block_state, block_cache, e)
-                    return e, (new_state, block_metrics, jnp.zeros((), jnp.float32))
-                # a block's gradient norms are traced in the scan body: summed there and
-                # reported outside the scan (fusedpc.core._gradients)
-                with collect_gradient_squares() as squares:
-                    e, new_state, block_metrics = block_backward(block_state, block_cache, e)
-                return e, (new_state, block_metrics, sum(squares, jnp.zeros((), jnp.float32)))
-
-            error, (new_states, metrics, squares) = jax.lax.scan(
-                step, error, (state.blocks, cache.blocks), reverse=True
-            )
-            if collecting:
-                add_gradient_square(jnp.sum(squares))
-            measured = measuring()
-            if measured is not None:  # the commit rule's check: one sum per block, as unrolled
-                measured.stacked_rows(new_states)
-            return error, RepeatState(blocks=new_states), Stacked(metrics)
+            name = join_path(path, "[*]")
+            forward, backward = _scanned(self.blocks[0].compile(name), name)
 
         def write_back(state: RepeatState) -> Repeat:
             # Each block writes back onto itself (compiling is only building closures).
@@ -486,3 +402,98 @@ class Repeat(AbstractPart):
             return replace_fields(self, blocks=blocks)
 
         return Core(forward, backward, write_back)
+
+
+def _check_block(x, y, name: str) -> None:
+    """Trace-time check that a block kept its input's shape and dtype."""
+    shape, dtype = getattr(y, "shape", None), getattr(y, "dtype", None)
+    if shape != jnp.shape(x) or dtype != jnp.result_type(x):
+        raise ValueError(
+            f"{display_path(name)}: a repeated block must keep its input's shape "
+            f"and dtype; input {_describe(x)}, output {dtype}{list(shape or ())}."
+        )
+
+
+def _unrolled(cores: Sequence[Core], names: Sequence[str], stacked_updates: bool):
+    """The forward and backward of a `Repeat` whose blocks run in a Python loop."""
+    n = len(cores)
+
+    def forward(state: RepeatState, x, ctx: StepContext):
+        caches = []
+        for i, core in enumerate(cores):
+            y, cache = core.forward(_slice(state.blocks, i), x, ctx)
+            _check_block(x, y, names[i])
+            x = y
+            caches.append(cache)
+        return x, RepeatCache(tuple(caches))
+
+    def backward(state: RepeatState, cache: RepeatCache, error, ctx: StepContext):
+        new_states, metrics = [None] * n, [None] * n
+        old_states = [_slice(state.blocks, i) for i in range(n)]
+        measured = ctx.measured
+        # Inside a step (its norms measured together, which read the stand-ins of a
+        # deferred step as rows of the stacked result), the blocks' optimiser steps run
+        # once over the stack.
+        records: list[DeferredUpdate] | None = None
+        if measured is not None and stacked_updates:
+            records = []
+            ctx = ctx.replace(deferred=records)
+        for i in reversed(range(n)):
+            error, new_states[i], metrics[i] = cores[i].backward(
+                old_states[i], cache.blocks[i], error, ctx
+            )
+        if records:
+            stacked = _apply_stacked(records, old_states, state.blocks, new_states)
+        else:
+            stacked = _stack(new_states)
+        if measured is not None:  # the blocks' norms: one sum per row of the stack
+            measured.rows_of(old_states, state.blocks)
+            measured.rows_of(new_states, stacked)
+        return error, RepeatState(blocks=stacked), Stacked(stack_metrics(metrics))
+
+    return forward, backward
+
+
+def _scanned(core: Core, name: str):
+    """The forward and backward of a `Repeat` whose blocks run in a `lax.scan`: the blocks
+    are traced in the scan body, a trace of its own, so they get `ctx.for_inner_trace()`
+    with a norm collection and gradient collection of the body's own, resolved there and
+    handed out of the scan."""
+
+    def forward(state: RepeatState, x, ctx: StepContext):
+        inner = ctx.for_inner_trace()
+
+        def step(h, block_state):
+            y, cache = core.forward(block_state, h, inner)
+            _check_block(h, y, name)
+            return y, cache
+
+        y, caches = jax.lax.scan(step, x, state.blocks)
+        return y, RepeatCache(caches)
+
+    def backward(state: RepeatState, cache: RepeatCache, error, ctx: StepContext):
+        collecting, measuring = ctx.collecting_gradient_squares, ctx.measured is not None
+
+        def step(e, block):
+            block_state, block_cache = block
+            inner = ctx.for_inner_trace()
+            squares: list[jax.Array] = []
+            if inner.gradients is not None and collecting:  # summed in the body, reported
+                inner = inner.replace(gradients=inner.gradients.collecting_into(squares))
+            if measuring:  # a block's report norms are measured in the body
+                inner = inner.replace(measured=Measured())
+            e, new_state, block_metrics = core.backward(block_state, block_cache, e, inner)
+            if inner.measured is not None:
+                block_metrics = resolve_pending(block_metrics, inner.measured)
+            return e, (new_state, block_metrics, sum(squares, jnp.zeros((), jnp.float32)))
+
+        error, (new_states, metrics, squares) = jax.lax.scan(
+            step, error, (state.blocks, cache.blocks), reverse=True
+        )
+        if collecting:
+            ctx.gradients.add_square(jnp.sum(squares))  # type: ignore[union-attr]
+        if ctx.measured is not None:  # the commit rule's check: one sum per block
+            ctx.measured.stacked_rows(new_states)
+        return error, RepeatState(blocks=new_states), Stacked(metrics)
+
+    return forward, backward

@@ -8,14 +8,16 @@ leading axis is a row.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from fusedpc.core._checks import lookup_rows
+from fusedpc.core._context import StepContext
 from fusedpc.core._part import ExportRecord, LayerNormParams, LinearParams, TableParams
-from fusedpc.core._precision import matmul, to_compute, widened
+from fusedpc.core._precision import to_compute, widened
 from fusedpc.parts._activations import get_activation
 from fusedpc.parts._frozen import Frozen
 from fusedpc.parts._gated import GatedFeedForward
@@ -34,16 +36,16 @@ __all__ = [
 ]
 
 
-def _linear_forward(params: LinearParams, x):
-    y = matmul(x, params.weight.T)
+def _linear_forward(params: LinearParams, x, ctx: StepContext):
+    y = ctx.matmul(x, params.weight.T)
     if params.bias is not None:
-        y = y + to_compute(params.bias)
+        y = y + ctx.to_compute(params.bias)
     return y, None
 
 
-def _linear_backward(params: LinearParams, cache, error):
+def _linear_backward(params: LinearParams, cache, error, ctx: StepContext):
     del cache
-    return matmul(error, params.weight)
+    return ctx.matmul(error, params.weight)
 
 
 def linear(
@@ -151,7 +153,7 @@ class LayerNormCache(eqx.Module):
     inv_std: jax.Array
 
 
-def layer_norm_forward(params: LayerNormParams, x, eps: float):
+def layer_norm_forward(params: LayerNormParams, x, eps: float, dtype: Any = None):
     """Per row: $m$ = mean, $s = \\sqrt{\\mathrm{var} + \\epsilon}$ (biased variance),
     $\\hat n = (x - m)/s$, $y = \\gamma \\hat n + \\beta$ (`params.weight` $\\gamma$ and
     `params.bias` $\\beta$, each `(D,)` or None; `eps` $\\epsilon$ a Python float).
@@ -168,10 +170,10 @@ def layer_norm_forward(params: LayerNormParams, x, eps: float):
         y = y * params.weight
     if params.bias is not None:
         y = y + params.bias
-    return to_compute(y), LayerNormCache(to_compute(n_hat), inv_std)
+    return to_compute(y, dtype), LayerNormCache(to_compute(n_hat, dtype), inv_std)
 
 
-def layer_norm_input_error(weight, cache: LayerNormCache, error):
+def layer_norm_input_error(weight, cache: LayerNormCache, error, dtype: Any = None):
     """$e_s = E \\odot \\gamma$; $\\partial L/\\partial x = (e_s - \\overline{e_s}
     - \\hat n\\, \\overline{e_s \\odot \\hat n}) / s$ (bars: means over the features)."""
     n_hat, inv_std = widened(cache.n_hat), cache.inv_std
@@ -179,18 +181,18 @@ def layer_norm_input_error(weight, cache: LayerNormCache, error):
     scaled = error if weight is None else error * weight
     mean_e = jnp.mean(scaled, axis=-1, keepdims=True)
     mean_en = jnp.mean(scaled * n_hat, axis=-1, keepdims=True)
-    return to_compute((scaled - mean_e - n_hat * mean_en) * inv_std)
+    return to_compute((scaled - mean_e - n_hat * mean_en) * inv_std, dtype)
 
 
 @functools.cache
 def _layer_norm_formulas(eps: float):
     # One function pair per eps, so that equal LayerNorms have equal (static) structure and
     # stack in a `Repeat`; eps is static configuration, not a state leaf.
-    def forward(params: LayerNormParams, x):
-        return layer_norm_forward(params, x, eps)
+    def forward(params: LayerNormParams, x, ctx: StepContext):
+        return layer_norm_forward(params, x, eps, ctx.compute_dtype)
 
-    def backward(params: LayerNormParams, cache, error):
-        return layer_norm_input_error(params.weight, cache, error)
+    def backward(params: LayerNormParams, cache, error, ctx: StepContext):
+        return layer_norm_input_error(params.weight, cache, error, ctx.compute_dtype)
 
     forward.__name__ = "layer_norm"
     return forward, backward
@@ -225,10 +227,10 @@ def layer_norm(
     return Frozen(forward, backward, params, in_width=width, name="layer_norm")
 
 
-def _embedding_forward(params: TableParams, ids):
+def _embedding_forward(params: TableParams, ids, ctx: StepContext):
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"expected integer ids, got dtype {ids.dtype}")
-    return to_compute(lookup_rows(params.table, ids)), None
+    return ctx.to_compute(lookup_rows(params.table, ids)), None
 
 
 def _embedding_backward(params, cache, error):
@@ -271,7 +273,7 @@ class RMSNormCache(eqx.Module):
     inv_rms: jax.Array
 
 
-def rms_norm_forward(params: RMSNormParams, x, eps: float):
+def rms_norm_forward(params: RMSNormParams, x, eps: float, dtype: Any = None):
     """Per row: $r = \\sqrt{\\mathrm{mean}(x^2) + \\epsilon}$, $\\hat n = x / r$,
     $y = \\gamma \\hat n + \\beta$ (`params.weight` $\\gamma$ and `params.bias` $\\beta$, each
     `(D,)` or None; `eps` $\\epsilon$ a Python float). Returns `(y, RMSNormCache(n_hat, 1/r))`.
@@ -285,10 +287,10 @@ def rms_norm_forward(params: RMSNormParams, x, eps: float):
         y = y * params.weight
     if params.bias is not None:
         y = y + params.bias
-    return to_compute(y), RMSNormCache(to_compute(n_hat), inv_rms)
+    return to_compute(y, dtype), RMSNormCache(to_compute(n_hat, dtype), inv_rms)
 
 
-def rms_norm_input_error(weight, cache: RMSNormCache, error):
+def rms_norm_input_error(weight, cache: RMSNormCache, error, dtype: Any = None):
     """$e_s = E \\odot \\gamma$; $\\partial L/\\partial x = (e_s - \\hat n\\,
     \\overline{e_s \\odot \\hat n}) / r$ (the bar: the mean over the features). From
     $\\partial r / \\partial x_j = x_j / (D r)$: the LayerNorm's formula without its centring
@@ -297,17 +299,17 @@ def rms_norm_input_error(weight, cache: RMSNormCache, error):
     error = widened(error)
     scaled = error if weight is None else error * weight
     mean_en = jnp.mean(scaled * n_hat, axis=-1, keepdims=True)
-    return to_compute((scaled - n_hat * mean_en) * cache.inv_rms)
+    return to_compute((scaled - n_hat * mean_en) * cache.inv_rms, dtype)
 
 
 @functools.cache
 def _rms_norm_formulas(eps: float):
     # One function pair per eps, as for the LayerNorm: equal RMSNorms stack in a `Repeat`.
-    def forward(params: RMSNormParams, x):
-        return rms_norm_forward(params, x, eps)
+    def forward(params: RMSNormParams, x, ctx: StepContext):
+        return rms_norm_forward(params, x, eps, ctx.compute_dtype)
 
-    def backward(params: RMSNormParams, cache, error):
-        return rms_norm_input_error(params.weight, cache, error)
+    def backward(params: RMSNormParams, cache, error, ctx: StepContext):
+        return rms_norm_input_error(params.weight, cache, error, ctx.compute_dtype)
 
     forward.__name__ = "rms_norm"
     return forward, backward

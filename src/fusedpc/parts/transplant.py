@@ -28,8 +28,9 @@ import jax.numpy as jnp
 from fusedpc.parts._gated import GatedFeedForward
 from fusedpc.parts.conv import eqx_conv_arrays
 from fusedpc.parts.learning._conv import LearningConv2d
-from fusedpc.parts.learning._embedding import LearningEmbedding, LearningLayerNorm
+from fusedpc.parts.learning._embedding import LearningEmbedding
 from fusedpc.parts.learning._iterative import RELAXATION_SETTINGS, IterativeNetwork
+from fusedpc.parts.learning._layer_norm import LearningLayerNorm
 from fusedpc.parts.learning._learning import LearningNetwork
 from fusedpc.parts.learning._network import PCNetwork
 from fusedpc.parts.learning._rms_norm import LearningRMSNorm

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
+from fusedpc.execution._step_settings import StepSettings
 from fusedpc.training import data
 from fusedpc.training._model_settings import LEARNING_DEFAULTS, SYNAPTIC, model_settings
 from fusedpc.training._optimisers import DEFAULT_WEIGHT_DECAY, LR_SCHEDULES, OPTIMISERS
@@ -160,6 +161,15 @@ class TrainConfig:
             return self.calibrate_at
         per_call = self.steps_per_call
         return max(per_call, int(round(0.15 * self.steps / per_call)) * per_call)
+
+    @property
+    def step_settings(self) -> StepSettings:
+        """The run's step guards as the library's `fusedpc.StepSettings` (what the run's
+        `FusedPipeline` gets): the file's and the CLI's 0 (off) is the library's None. The
+        compute dtype is the model's own (`model.compute_dtype`)."""
+        return StepSettings(max_update_ratio=self.max_update_ratio or None,
+                            loss_spike=self.loss_spike or None,
+                            clip_global_norm=self.clip or None)
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """`model` with the tokeniser's `vocab_size`: what `build_gpt` is given."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -44,9 +45,6 @@ _SETTINGS = (
     (_M_TOP_PAD, "MALLOC_TOP_PAD_", 64 << 20),  # grow the heap in 64 MiB steps
 )
 
-_applied: bool | None = None
-
-
 def reuse_host_memory() -> bool:
     """Make the C allocator keep freed host memory for reuse; returns whether it was applied.
 
@@ -61,10 +59,13 @@ def reuse_host_memory() -> bool:
     Trade-off: host memory freed after a step is not returned to the operating system
     while the process runs, so the resident size stays at its peak.
     """
-    global _applied
-    if _applied is not None:
-        return _applied
-    _applied = False
+    return _set_allocator()
+
+
+@functools.cache
+def _set_allocator() -> bool:
+    """The `mallopt` calls, made once per process (the allocator's settings are the
+    process's own state): whether they were applied."""
     if not sys.platform.startswith("linux"):
         return False
     name = ctypes.util.find_library("c") or "libc.so.6"
@@ -75,8 +76,7 @@ def reuse_host_memory() -> bool:
         return False  # not glibc: no mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    _applied = all(mallopt(param, value) == 1 for param, _, value in _SETTINGS)
-    return _applied
+    return all(mallopt(param, value) == 1 for param, _, value in _SETTINGS)
 
 
 def host_memory_env() -> dict[str, str]:
@@ -88,7 +88,7 @@ def host_memory_env() -> dict[str, str]:
 def host_memory_reused() -> bool:
     """Whether `reuse_host_memory()` was applied in this process, or the process started
     with `host_memory_env()` in its environment."""
-    if _applied:
+    if _set_allocator.cache_info().currsize and _set_allocator():
         return True
     return sys.platform.startswith("linux") and all(
         os.environ.get(name) == value for name, value in host_memory_env().items()

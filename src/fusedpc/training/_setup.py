@@ -165,9 +165,7 @@ def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
         gpt.error_fn,
         key=jax.random.key(config.seed),
         mesh=mesh,
-        max_update_ratio=config.max_update_ratio or None,
-        loss_spike=config.loss_spike or None,
-        clip_global_norm=config.clip or None,
+        settings=config.step_settings,
     )
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from fusedpc.core._context import StepContext
 
 
 def _sampler(predict, max_len: int, n_new: int, probabilities: bool, top_k: int | None):
@@ -55,14 +56,10 @@ class FusedPipelineLike(Protocol):
     """What `generate` reads of a pipeline: its tree, its step program and its state."""
 
     tree: Any
-    program: Any
+    program: Any  # a StepProgram (`derived` holds the compiled samplers)
 
     @property
     def state(self) -> Any: ...
-
-
-# One compiled sampler per (program, n_new, output kind); dropped with the program.
-_SAMPLERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def generate(
@@ -127,14 +124,15 @@ def generate(
     tree.validate_input(prompt, "")
     probabilities = getattr(tree, "output", "logits") == "probabilities"
     program = pipeline.program
-    cache = _SAMPLERS.setdefault(program, {})
+    # one compiled sampler per (n_new, output kind, top_k), kept with the program
+    cache = program.derived.setdefault("generate", {})
     top_k = None if top_k is None else int(top_k)
     sample_key = (int(n_new), probabilities, top_k)
     if sample_key not in cache:
-        forward = program.core.forward  # not the program itself: the cache holds it weakly
+        forward, ctx = program.core.forward, StepContext()  # the forward in its own dtype
 
         def predict(state, window):
-            return forward(state, window)[0]
+            return forward(state, window, ctx)[0]
 
         cache[sample_key] = _sampler(predict, max_len, int(n_new), probabilities, top_k)
     key = jax.random.key(0) if key is None else key

@@ -17,16 +17,17 @@ table: `position=None`, $h_0 = T[\\mathrm{ids}]$, and its state's `position` fie
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from fusedpc.core._checks import check_ids, check_part, id_range_check
+from fusedpc.core._context import StepContext
 from fusedpc.core._metrics import Named, named
 from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
-from fusedpc.core._precision import computing_in, resolve_compute_dtype, widened
+from fusedpc.core._precision import resolve_compute_dtype, widened
 from fusedpc.parts._compose import SequentialCache
 
 _BLOCK_SLOTS = ("n1", "attention", "n2", "feed_forward")
@@ -59,6 +60,8 @@ class TransformerBlock(AbstractPart):
     Every slot is any part; report rows read `...n1`, `...attention.wq`, `...feed_forward`.
     """
 
+    defers_updates: ClassVar[bool] = True
+
     n1: AbstractPart
     attention: AbstractPart
     n2: AbstractPart
@@ -89,21 +92,21 @@ class TransformerBlock(AbstractPart):
         names = _BLOCK_SLOTS
         cores = {n: getattr(self, n).compile(join_path(path, n)) for n in names}
 
-        def forward(state: BlockState, x):
-            a, c_n1 = cores["n1"].forward(state.n1, x)
-            a, c_attn = cores["attention"].forward(state.attention, a)
+        def forward(state: BlockState, x, ctx):
+            a, c_n1 = cores["n1"].forward(state.n1, x, ctx)
+            a, c_attn = cores["attention"].forward(state.attention, a, ctx)
             h = x + a
-            f, c_n2 = cores["n2"].forward(state.n2, h)
-            f, c_ff = cores["feed_forward"].forward(state.feed_forward, f)
+            f, c_n2 = cores["n2"].forward(state.n2, h, ctx)
+            f, c_ff = cores["feed_forward"].forward(state.feed_forward, f, ctx)
             return h + f, BlockCache(c_n1, c_attn, c_n2, c_ff)
 
-        def backward(state: BlockState, cache: BlockCache, error):
+        def backward(state: BlockState, cache: BlockCache, error, ctx):
             c_n1, c_attn, c_n2, c_ff = cache.n1, cache.attention, cache.n2, cache.feed_forward
-            e, s_ff, m_ff = cores["feed_forward"].backward(state.feed_forward, c_ff, error)
-            e, s_n2, m_n2 = cores["n2"].backward(state.n2, c_n2, e)
+            e, s_ff, m_ff = cores["feed_forward"].backward(state.feed_forward, c_ff, error, ctx)
+            e, s_n2, m_n2 = cores["n2"].backward(state.n2, c_n2, e, ctx)
             e_h = error + e
-            e, s_attn, m_attn = cores["attention"].backward(state.attention, c_attn, e_h)
-            e, s_n1, m_n1 = cores["n1"].backward(state.n1, c_n1, e)
+            e, s_attn, m_attn = cores["attention"].backward(state.attention, c_attn, e_h, ctx)
+            e, s_n1, m_n1 = cores["n1"].backward(state.n1, c_n1, e, ctx)
             metrics = named(n1=m_n1, attention=m_attn, n2=m_n2, feed_forward=m_ff)
             return e_h + e, BlockState(s_n1, s_attn, s_n2, s_ff), metrics
 
@@ -125,6 +128,8 @@ class Blocks(AbstractPart):
     a GPT held a bare tuple of blocks, so those checkpoints still load. Its cache is a
     `SequentialCache`.
     """
+
+    defers_updates: ClassVar[bool] = True
 
     blocks: tuple[AbstractPart, ...]
 
@@ -153,18 +158,18 @@ class Blocks(AbstractPart):
     def compile(self, path: str) -> Core:
         cores = [b.compile(join_path(path, name)) for name, b in self.children()]
 
-        def forward(state: tuple[PyTree, ...], x):
+        def forward(state: tuple[PyTree, ...], x, ctx):
             caches = []
             for core, sub in zip(cores, state):
-                x, cache = core.forward(sub, x)
+                x, cache = core.forward(sub, x, ctx)
                 caches.append(cache)
             return x, SequentialCache(tuple(caches))
 
-        def backward(state: tuple[PyTree, ...], cache: SequentialCache, error):
+        def backward(state: tuple[PyTree, ...], cache: SequentialCache, error, ctx):
             new_states, metrics = [None] * len(cores), [None] * len(cores)
             for i in reversed(range(len(cores))):
                 error, new_states[i], metrics[i] = cores[i].backward(
-                    state[i], cache.parts[i], error
+                    state[i], cache.parts[i], error, ctx
                 )
             names = tuple(name for name, _ in self.children())
             return error, tuple(new_states), Named(names, tuple(metrics))
@@ -219,6 +224,8 @@ class GPTPart(AbstractPart):
             output in float32), as `FusedPipeline(compute_dtype=...)` does for any tree;
             None (float32) by default.
     """
+
+    defers_updates: ClassVar[bool] = True
 
     token: AbstractPart
     position: AbstractPart | None
@@ -297,16 +304,20 @@ class GPTPart(AbstractPart):
         norm_f = self.norm_f.compile(join_path(path, "norm_f"))
         head = self.head.compile(join_path(path, "head"))
 
-        def forward(state: GPTState, ids):
-            with computing_in(self.compute_dtype):
-                out, cache = walk_forward(state, ids)
+        def own_dtype(ctx: StepContext) -> StepContext:
+            # the GPT's own compute dtype, or the step's when it names none
+            if self.compute_dtype is None:
+                return ctx
+            return ctx.replace(compute_dtype=self.compute_dtype)
+
+        def forward(state: GPTState, ids, ctx: StepContext):
+            out, cache = walk_forward(state, ids, own_dtype(ctx))
             return (out if self.compute_dtype is None else widened(out)), cache
 
-        def backward(state: GPTState, cache: GPTCache, error):
-            with computing_in(self.compute_dtype):
-                return walk_backward(state, cache, error)
+        def backward(state: GPTState, cache: GPTCache, error, ctx: StepContext):
+            return walk_backward(state, cache, error, own_dtype(ctx))
 
-        def walk_forward(state: GPTState, ids):
+        def walk_forward(state: GPTState, ids, ctx: StepContext):
             if jnp.ndim(ids) != 2:
                 raise ValueError(
                     f"{display_path(path)}: expected token ids of shape (batch, seq), got shape "
@@ -326,26 +337,26 @@ class GPTPart(AbstractPart):
                     f"{display_path(path)}: sequence length {seq} exceeds {limit}; use "
                     f"sequences of at most {self.max_len}."
                 )
-            tok, c_tok = token.forward(state.token, ids)
+            tok, c_tok = token.forward(state.token, ids, ctx)
             h, c_pos = tok, None
             if position is not None:
-                pos, c_pos = position.forward(state.position, jnp.arange(seq, dtype=jnp.int32))
+                pos, c_pos = position.forward(state.position, jnp.arange(seq, dtype=jnp.int32), ctx)
                 h = tok + pos[None]
-            h, c_blocks = blocks.forward(state.blocks, h)
-            h, c_norm = norm_f.forward(state.norm_f, h)
-            out, c_head = head.forward(state.head, h)
+            h, c_blocks = blocks.forward(state.blocks, h, ctx)
+            h, c_norm = norm_f.forward(state.norm_f, h, ctx)
+            out, c_head = head.forward(state.head, h, ctx)
             return out, GPTCache(c_tok, c_pos, c_blocks, c_norm, c_head)
 
-        def walk_backward(state: GPTState, cache: GPTCache, error):
-            e, s_head, m_head = head.backward(state.head, cache.head, error)
-            e, s_norm, m_norm = norm_f.backward(state.norm_f, cache.norm_f, e)
-            e, s_blocks, m_blocks = blocks.backward(state.blocks, cache.blocks, e)
-            _, s_tok, m_tok = token.backward(state.token, cache.token, e)
+        def walk_backward(state: GPTState, cache: GPTCache, error, ctx: StepContext):
+            e, s_head, m_head = head.backward(state.head, cache.head, error, ctx)
+            e, s_norm, m_norm = norm_f.backward(state.norm_f, cache.norm_f, e, ctx)
+            e, s_blocks, m_blocks = blocks.backward(state.blocks, cache.blocks, e, ctx)
+            _, s_tok, m_tok = token.backward(state.token, cache.token, e, ctx)
             if position is None:
                 metrics = named(token=m_tok, blocks=m_blocks, norm_f=m_norm, head=m_head)
                 return e, GPTState(s_tok, None, s_blocks, s_norm, s_head), metrics
             _, s_pos, m_pos = position.backward(
-                state.position, cache.position, jnp.mean(widened(e), axis=0)
+                state.position, cache.position, jnp.mean(widened(e), axis=0), ctx
             )
             metrics = named(
                 token=m_tok, position=m_pos, blocks=m_blocks, norm_f=m_norm, head=m_head

@@ -19,6 +19,7 @@ from fusedpc.core._part import AbstractPart
 from fusedpc.parts import frozen
 from fusedpc.parts._attention import MultiHeadAttention
 from fusedpc.parts._compose import Sequential
+from fusedpc.parts.learning._rules import LearningRule, rule_spelling
 from fusedpc.transformer._gpt import GPTPart, TransformerBlock
 from fusedpc.transformer._slots import (
     SlotLearning,
@@ -142,7 +143,7 @@ def hybrid_from_gpt(
     norm_parts: Callable[[Any], AbstractPart] | None = None,
     *,
     learn: Mapping[str, optax.GradientTransformation | None] | None = None,
-    learning_kind: str = "precision_weighted",
+    learning_kind: str | LearningRule = "precision_weighted",
     learning_kwargs: dict | None = None,
     hidden_precision: float = 1.0,
     fused_qkv: bool = False,
@@ -154,9 +155,9 @@ def hybrid_from_gpt(
     """A `GPTPart` at the weights of a reference `fusedpc.transformer.reference.GPT`.
 
     Every slot not given stays frozen at the reference weights (feed-forward: linear, GELU,
-    linear, or `frozen.swiglu` for a SwiGLU; norms: `frozen.layer_norm` or `frozen.rms_norm`).
-    The reference's options carry over: its RMSNorms become RMSNorm parts
-    (`transplant.from_rms_norm` where `"norm"` learns), its SwiGLUs `GatedFeedForward`s
+    linear, or `frozen.swiglu`; norms: `frozen.layer_norm` or `frozen.rms_norm`). The
+    reference's options carry over: RMSNorms become RMSNorm parts (`transplant.from_rms_norm`
+    where `"norm"` learns), its SwiGLUs `GatedFeedForward`s
     (`transplant.from_swiglu`: gate, up and down learn, `hidden_precision` does not apply), and
     with rotary positions every attention is a `MultiHeadAttention(positions="rotary")` at the
     reference's `rotary_base` and the part has no position slot (`position=None`; naming
@@ -166,8 +167,9 @@ def hybrid_from_gpt(
     * `learn={"feed_forward": optax.adam(1e-3), "head": optax.sgd(0.1)}`: one optimiser per
       slot (`"token"`, `"position"`, `"attention"`, `"feed_forward"`, `"norm"`, `"head"`);
       every block's part of that slot is a learning part transplanted at the reference weights
-      holding that one optimiser (`learning_kind`, `learning_kwargs`, `hidden_precision` of
-      the feed-forwards' hidden layer, `fused_qkv` for one QKV network per block). The
+      holding that one optimiser (`learning_kind`: a rule, `SynapticUncertainty(window=8)`,
+      or its name with `learning_kwargs`; `hidden_precision` of the feed-forwards' hidden
+      layer, `fused_qkv` for one QKV network per block). The
       simplest way to many blocks that scan. `learning_kind="iterative"` makes every
       learning feed-forward an `IterativeNetwork` (`transplant.from_feedforward_iterative`;
       `learning_kwargs` are its `inference_steps`, `inference_rate`, `schedule`,
@@ -186,20 +188,20 @@ def hybrid_from_gpt(
     (`GPTPart(compute_dtype=...)`). Structurally identical blocks are held by a `Repeat`
     (their states stacked): `scan=True` runs them in a `lax.scan`, `scan="auto"` (the default)
     unrolls it up to `AUTO_UNROLL_BLOCKS` blocks and scans beyond, and `scan=False`, or blocks
-    that differ, give a `Blocks` chain (`blocks_form` says when and why).
-    `output="probabilities"` marks a categorical head.
+    that differ, give a `Blocks` chain (`blocks_form` says when and why). `output=
+    "probabilities"` marks a categorical head.
     """
     form = _checked_form(gpt, scan, position_part)
     parts = SlotParts(ff_parts, attention_parts, head_part, token_part, position_part, norm_parts)
     if learn is not None:
         head = "categorical" if output == "probabilities" else "gaussian"
-        learning = SlotLearning(learning_kind, learning_kwargs, hidden_precision, fused_qkv, head)
+        learning = SlotLearning(*rule_spelling("hybrid_from_gpt", learning_kind,
+                                               learning_kwargs), hidden_precision, fused_qkv, head)
         parts = learning_slots(gpt, learn, parts, learning)
     blocks, norm = _blocks(gpt, parts, attention_mixing)
     stacked = stack_blocks(blocks, form, scan)  # warns on behalf of this function's caller
-    position = parts.position_part
-    if gpt.pos_emb is not None:
-        position = position or frozen.embedding(gpt.pos_emb)
+    position = parts.position_part or (
+        None if gpt.pos_emb is None else frozen.embedding(gpt.pos_emb))
     return GPTPart(
         token=parts.token_part or frozen.embedding(gpt.tok_emb),
         position=position,

@@ -23,7 +23,9 @@ from fusedpc import (
     Sequential,
     frozen,
 )
-from fusedpc.core._checks import check_ids
+from fusedpc.core import StepContext, check_ids
+
+CTX = StepContext()  # the plain step context, for cores run by hand
 
 V, D = 37, 6  # vocabulary and width, distinct from every other size below
 B, T = 2, 5
@@ -107,8 +109,8 @@ def _step_jaxpr(tree, x, target):
     state = tree.init_state(jax.random.key(0))
 
     def step(state, x, target):
-        y, cache = core.forward(state, x)
-        return core.backward(state, cache, y - target)
+        y, cache = core.forward(state, x, CTX)
+        return core.backward(state, cache, y - target, CTX)
 
     return jax.make_jaxpr(step)(state, x, target).jaxpr
 
@@ -180,8 +182,8 @@ def test_layer_norm_backward_and_updates_equal_autodiff():
 
     @jax.jit  # one program instead of an eager compile per primitive
     def both(state, params, x, error):
-        y, cache = core.forward(state, x)
-        input_error, new_state, _ = core.backward(state, cache, error)
+        y, cache = core.forward(state, x, CTX)
+        input_error, new_state, _ = core.backward(state, cache, error, CTX)
         y_ref, vjp = jax.vjp(_layer_norm, params, x)
         return y, input_error, new_state, y_ref, vjp(error)
 
@@ -220,8 +222,8 @@ def test_layer_norm_without_optimiser_is_the_frozen_layer_norm():
     def both(states, x, error):
         results = []
         for core, state in zip(cores, states):
-            y, cache = core.forward(state, x)
-            results.append((y, *core.backward(state, cache, error)))
+            y, cache = core.forward(state, x, CTX)
+            results.append((y, *core.backward(state, cache, error, CTX)))
         return results
 
     (y, input_error, new_state, metrics), (y_frozen, frozen_error, _, _) = both(states, x, error)

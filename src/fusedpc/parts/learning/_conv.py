@@ -34,7 +34,7 @@ For a single matrix at unit output precision `standard` takes the same step as
 
 from __future__ import annotations
 
-from typing import cast
+from typing import ClassVar, cast
 
 import equinox as eqx
 import jax
@@ -60,6 +60,7 @@ from fusedpc.parts.conv import (
 from fusedpc.parts.learning._learning import LearningNetwork, LearningNetworkState, NetworkCache
 from fusedpc.parts.learning._local_update import resolve_learning
 from fusedpc.parts.learning._network import PCNetwork
+from fusedpc.parts.learning._rules import LearningRule, rule_spelling
 
 __all__ = ["ConvCache", "LearningConv2d"]
 
@@ -83,8 +84,10 @@ class LearningConv2d(AbstractPart):
         in_channels, out_channels: $C_{in}$, $C_{out}$.
         kernel_size: $k$ or $(k_h, k_w)$.
         optimiser: any optax transformation fed the gradient; `None` freezes the kernel.
-        learning_kind: `"precision_weighted"` (default; the backprop gradient), `"standard"`
-            or `"synaptic_uncertainty"` (with `learning_kwargs={"window": N, ...}`), as for a
+        learning_kind: a learning rule (`fusedpc.parts.learning.PrecisionWeighted()`, the
+            default, `Standard()`, `SynapticUncertainty(window=N, ...)`) or its name,
+            `"precision_weighted"`, `"standard"` or `"synaptic_uncertainty"` (with
+            `learning_kwargs={"window": N, ...}`), as for a
             `LearningNetwork`.
         learning_kwargs: the synaptic settings (see `LearningNetwork`).
         stride: a positive integer or `(along height, along width)`.
@@ -107,6 +110,8 @@ class LearningConv2d(AbstractPart):
     `[kh*kw*C_in, C_out]` and exports one `ConvParams(kernel, bias)`.
     """
 
+    defers_updates: ClassVar[bool] = True
+
     network: LearningNetwork
     window: Pair = eqx.field(static=True)
     in_channels: int = eqx.field(static=True)
@@ -120,7 +125,7 @@ class LearningConv2d(AbstractPart):
         out_channels: int,
         kernel_size: int | Pair,
         optimiser: optax.GradientTransformation | None = None,
-        learning_kind: str = "precision_weighted",
+        learning_kind: str | LearningRule = "precision_weighted",
         learning_kwargs: dict | None = None,
         *,
         stride: int | Pair = 1,
@@ -136,6 +141,7 @@ class LearningConv2d(AbstractPart):
         weight_reuse: float | None = None,
     ):
         where = "LearningConv2d"
+        learning_kind, learning_kwargs = rule_spelling(where, learning_kind, learning_kwargs)
         resolve_learning(where, optimiser, learning_kind, learning_kwargs, 1.0)
         window = as_pair(kernel_size, "kernel_size", where)
         for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
@@ -222,7 +228,7 @@ class LearningConv2d(AbstractPart):
                 by_reuse[reuse] = network.compile(path)
             return by_reuse[reuse]
 
-        def forward(state: LearningNetworkState, x):
+        def forward(state: LearningNetworkState, x, ctx):
             images = as_images(where, x, self.in_channels)
             shape = ImageShape(*images.shape[1:])
             geometry = conv_geometry(where, images.shape[1:3], window, stride, padding)
@@ -230,11 +236,11 @@ class LearningConv2d(AbstractPart):
             pieces = window_slices(padded, window, stride, geometry.out)
             patches = jnp.stack(pieces, axis=3)  # (N, H', W', kh*kw, C_in)
             patches = jnp.reshape(patches, (*patches.shape[:3], -1))
-            y, cache = base.forward(state, patches)
+            y, cache = base.forward(state, patches, ctx)
             y = jnp.reshape(y, (*jnp.shape(x)[:-3], *geometry.out, out_channels))
             return y, ConvCache(cast(NetworkCache, cache), shape)
 
-        def backward(state: LearningNetworkState, cache: ConvCache, error):
+        def backward(state: LearningNetworkState, cache: ConvCache, error, ctx):
             shape = cache.shape
             size = (shape.height, shape.width)
             geometry = conv_geometry(where, size, window, stride, padding)
@@ -243,7 +249,7 @@ class LearningConv2d(AbstractPart):
             if reuse is None:
                 reuse = float(geometry.out[0] * geometry.out[1])
             patch_error, new_state, metrics = patch_core(reuse).backward(
-                state, cache.network, rows
+                state, cache.network, rows, ctx
             )
             offsets = window[0] * window[1]
             patch_error = jnp.reshape(

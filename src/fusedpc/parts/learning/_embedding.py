@@ -1,4 +1,4 @@
-"""Learning parts for tables and LayerNorm affines.
+"""A learning lookup table.
 
 `LearningEmbedding` is the one-matrix learning network fed one-hot rows, computed at
 $O(R \\cdot D)$ instead of $O(R \\cdot V \\cdot D)$: the forward gathers rows of the table and the
@@ -11,16 +11,11 @@ $$\\bar G_v = \\frac{k}{R} \\sum_{r: i_r = v} E_r,$$
 exactly $\\mathrm{mean}_r\\, E_r \\otimes \\mathrm{onehot}(i_r)$ of the dense network. The
 synaptic importance increment is $\\bar p \\,\\bar q_v$ with $\\bar p = k$ (unit output precision)
 and $\\bar q_v = |\\{r : i_r = v\\}| / R$, the batch mean of the squared one-hot input.
-
-`LearningLayerNorm` normalises each row, $\\hat n = (x - m)/s$, and learns its affine
-$y = \\gamma \\odot \\hat n + \\beta$ locally:
-$\\bar G_\\gamma = \\mathrm{mean}_r\\, E_r \\odot \\hat n_r$,
-$\\bar G_\\beta = \\mathrm{mean}_r\\, E_r$; its input error is the frozen LayerNorm's.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import equinox as eqx
 import jax
@@ -28,25 +23,22 @@ import jax.numpy as jnp
 import optax
 
 from fusedpc.core._checks import check_ids, expect_last_axis, id_range_check, lookup_rows
-from fusedpc.core._metrics import learning_metrics
 from fusedpc.core._part import (
     AbstractPart,
     Core,
-    LayerNormParams,
     PyTree,
     TableParams,
     display_path,
     replace_fields,
 )
-from fusedpc.core._precision import to_compute, widened
-from fusedpc.parts.frozen import layer_norm_forward, layer_norm_input_error
+from fusedpc.core._precision import widened
 from fusedpc.parts.learning._local_update import (
     SynapticSettings,
-    optax_step,
     resolve_learning,
     scaled_synaptic_gradient,
     synaptic_step,
 )
+from fusedpc.parts.learning._rules import LearningRule, learning_rule, rule_spelling
 
 
 class EmbeddingState(eqx.Module):
@@ -65,6 +57,8 @@ class LearningEmbedding(AbstractPart):
     optax `optimiser` or `synaptic_uncertainty`. Its input error is `None` (ids carry none).
     """
 
+    defers_updates: ClassVar[bool] = True
+
     table: jax.Array
     optimiser: Any = eqx.field(static=True)
     learning_kind: str = eqx.field(static=True)
@@ -78,7 +72,7 @@ class LearningEmbedding(AbstractPart):
         self,
         table: jax.Array,
         optimiser: optax.GradientTransformation | None = None,
-        learning_kind: str = "precision_weighted",
+        learning_kind: str | LearningRule = "precision_weighted",
         learning_kwargs: dict | None = None,
         *,
         weight_reuse: float = 1.0,
@@ -90,6 +84,8 @@ class LearningEmbedding(AbstractPart):
             raise ValueError(
                 f"LearningEmbedding: table must have shape (vocab, width), got {table.shape}."
             )
+        learning_kind, learning_kwargs = rule_spelling("LearningEmbedding", learning_kind,
+                                                       learning_kwargs)
         # Validated once, here (the errors name the bad setting); compile reads the result.
         self.synaptic = resolve_learning(
             "LearningEmbedding", optimiser, learning_kind, learning_kwargs, weight_reuse
@@ -101,6 +97,12 @@ class LearningEmbedding(AbstractPart):
         self.weight_reuse = float(weight_reuse)
         self.opt_state = opt_state
         self.weight_precision = weight_precision
+
+    @property
+    def rule(self) -> LearningRule:
+        """The learning rule as a typed object (`PrecisionWeighted()`, `Standard()`,
+        `SynapticUncertainty(...)`)."""
+        return learning_rule(self.learning_kind, dict(self.learning_kwargs))
 
     @property
     def vocab_size(self) -> int:
@@ -134,15 +136,15 @@ class LearningEmbedding(AbstractPart):
         synaptic = self.synaptic
         k = self.weight_reuse
 
-        def forward(state: EmbeddingState, ids):
+        def forward(state: EmbeddingState, ids, ctx):
             if not jnp.issubdtype(ids.dtype, jnp.integer):
                 raise TypeError(
                     f"{display_path(path)}: expected integer token ids, got dtype {ids.dtype} "
                     f"(shape {tuple(ids.shape)}); convert with .astype(jnp.int32)."
                 )
-            return to_compute(lookup_rows(state.table, ids)), ids
+            return ctx.to_compute(lookup_rows(state.table, ids)), ids
 
-        def backward(state: EmbeddingState, ids, error):
+        def backward(state: EmbeddingState, ids, error, ctx):
             expect_last_axis(path, error, width, what="error")
             flat_ids = ids.reshape(-1)
             rows = widened(error).reshape(-1, width)
@@ -158,10 +160,9 @@ class LearningEmbedding(AbstractPart):
                     synaptic, table, gradient, extra, increment
                 )
             elif self.optimiser is not None:
-                table, opt_state = optax_step(self.optimiser, table, gradient, opt_state)
+                table, opt_state = ctx.optimiser_step(self.optimiser, table, gradient, opt_state)
             new_state = EmbeddingState(table, opt_state, weight_precision)
-            metrics = learning_metrics(
-                state.table, table, error, None, (vocab, width), measure_later=True)
+            metrics = ctx.learning_metrics(state.table, table, error, None, (vocab, width))
             return None, new_state, metrics
 
         def write_back(state: EmbeddingState) -> LearningEmbedding:
@@ -175,114 +176,4 @@ class LearningEmbedding(AbstractPart):
         return Core(forward, backward, write_back)
 
 
-def _row_mean(rows: jax.Array) -> jax.Array:
-    """The mean over the rows of `(R, D)` float32 `rows`, as the product $\\frac{1}{R}
-    \\mathbf{1}^\\top$ `rows` (float32 products, `Precision.HIGHEST`): a product reads its
-    operand as written, while an XLA:CPU reduction fuses its producers and rounds by the
-    kernel it lands in, so its last bit changed with the program around it (a step with or
-    without its report norms)."""
-    weights = jnp.full((rows.shape[0],), 1.0 / rows.shape[0], jnp.float32)
-    return jnp.dot(weights, rows, precision=jax.lax.Precision.HIGHEST)
-
-
-def norm_affine_step(
-    optimiser: Any, params: Any, opt_state: Any, error: jax.Array, n_hat: jax.Array,
-) -> tuple[Any, Any]:
-    """The local step of a norm's affine $y = \\gamma \\odot \\hat n + \\beta$ (a LayerNorm's
-    or an RMSNorm's): the row means $\\bar G_\\gamma = \\mathrm{mean}_r E_r \\odot \\hat n_r$ and
-    $\\bar G_\\beta = \\mathrm{mean}_r E_r$ (in float32; $\\beta$'s only where `params.bias` is
-    not None) through `optimiser` (None: no step). `params` is a record with `weight` and
-    `bias` fields, rebuilt with `params.__class__`. Returns `(params, opt_state)`."""
-    width = params.weight.shape[0]
-    rows_e = widened(error).reshape(-1, width)
-    rows_n = widened(n_hat).reshape(-1, width)
-    gradients = type(params)(
-        weight=_row_mean(rows_e * rows_n),
-        bias=None if params.bias is None else _row_mean(rows_e),
-    )
-    if optimiser is None:
-        return params, opt_state
-    return optax_step(optimiser, params, gradients, opt_state)
-
-
-class LayerNormState(eqx.Module):
-    """`params` ($\\gamma$ `weight`, $\\beta$ `bias`, each `(D,)`) and the optax `opt_state`."""
-
-    params: LayerNormParams
-    opt_state: PyTree
-
-
-class LearningLayerNorm(AbstractPart):
-    """A LayerNorm over the last axis whose affine $(\\gamma, \\beta)$ learns locally.
-
-    With `optimiser=None` it behaves as a frozen LayerNorm.
-    """
-
-    weight: jax.Array
-    bias: jax.Array
-    eps: float = eqx.field(static=True)
-    optimiser: Any = eqx.field(static=True)
-    opt_state: PyTree
-
-    def __init__(
-        self,
-        weight: jax.Array,
-        bias: jax.Array,
-        optimiser: optax.GradientTransformation | None = None,
-        *,
-        eps: float = 1e-5,
-        opt_state: PyTree = None,
-    ):
-        weight = jnp.asarray(weight, jnp.float32)
-        bias = jnp.asarray(bias, jnp.float32)
-        if weight.ndim != 1 or bias.shape != weight.shape:
-            raise ValueError(
-                f"LearningLayerNorm: weight and bias must both have shape (D,), got "
-                f"{weight.shape} and {bias.shape}."
-            )
-        resolve_learning("LearningLayerNorm", optimiser, "precision_weighted", None, 1.0)
-        self.weight = weight
-        self.bias = bias
-        self.eps = float(eps)
-        self.optimiser = optimiser
-        self.opt_state = opt_state
-
-    def export_arrays(self, path: str = "") -> tuple[LayerNormParams]:
-        """`(LayerNormParams(weight, bias),)`, the affine $(\\gamma, \\beta)$."""
-        del path
-        return (LayerNormParams(self.weight, self.bias),)
-
-    def init_state(self, key: jax.Array) -> LayerNormState:
-        del key
-        params = LayerNormParams(self.weight, self.bias)
-        opt_state = self.opt_state
-        if opt_state is None and self.optimiser is not None:
-            opt_state = self.optimiser.init(params)
-        return LayerNormState(params, opt_state)
-
-    def compile(self, path: str) -> Core:
-        width = self.weight.shape[0]
-        eps = self.eps
-
-        def forward(state: LayerNormState, x):
-            expect_last_axis(path, x, width)
-            return layer_norm_forward(state.params, x, eps)
-
-        def backward(state: LayerNormState, cache, error):
-            input_error = layer_norm_input_error(state.params.weight, cache, error)
-            params, opt_state = norm_affine_step(
-                self.optimiser, state.params, state.opt_state, error, cache.n_hat
-            )
-            metrics = learning_metrics(
-                state.params, params, error, input_error, (width,), measure_later=True)
-            return input_error, LayerNormState(params, opt_state), metrics
-
-        def write_back(state: LayerNormState) -> LearningLayerNorm:
-            return replace_fields(
-                self,
-                weight=state.params.weight,
-                bias=state.params.bias,
-                opt_state=state.opt_state,
-            )
-
-        return Core(forward, backward, write_back)
+__all__ = ["EmbeddingState", "LearningEmbedding"]

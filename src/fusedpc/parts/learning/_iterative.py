@@ -44,35 +44,31 @@ input-layer error.
 
 The $T$ steps are one `lax.scan` inside the backward: the compiled program and its memory do
 not grow with $T$. Under a row mask the relaxation runs on the real rows' own errors
-(`fusedpc.core.error_scale`), so a padded step is the step on the real rows alone.
+(the step context's `error_scale`), so a padded step is the step on the real rows alone.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, cast
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fusedpc.core._error_scale import error_scale
-from fusedpc.core._metrics import PartMetrics, learning_metrics, reports_detailed
 from fusedpc.core._part import AbstractPart, Core, LinearParams, PyTree, replace_fields
-from fusedpc.core._precision import matmul, weight_gradient, widened
 from fusedpc.parts.learning._learning import (
     LearningNetworkState,
-    NetworkCache,
-    NetworkParams,
     network_params,
     network_records,
     prediction_sweep,
 )
-from fusedpc.parts.learning._local_update import optax_step, resolve_learning
+from fusedpc.parts.learning._local_update import resolve_learning
 from fusedpc.parts.learning._network import PCNetwork
+from fusedpc.parts.learning._relaxation import Relaxation
+from fusedpc.parts.learning._relaxation import RelaxationMetrics as RelaxationMetrics
 
 SCHEDULES = ("simultaneous", "z_il")
 RELAXATION_SETTINGS = (
@@ -80,29 +76,6 @@ RELAXATION_SETTINGS = (
     "record_energy",
 )
 """The keywords of `IterativeNetwork` that set its relaxation (all but `optimiser`)."""
-
-
-class RelaxationMetrics(PartMetrics):
-    """What an `IterativeNetwork` reports about one step: the learning part's norms
-    (`PartMetrics`) and the energy $F$ (mean over rows) before the relaxation
-    (`energy_before`, the feed-forward state with the output clamped) and after it
-    (`energy_after`), and with `record_energy=True` its trajectory `energy_trajectory`
-    `(T + 1,)` (before each step, then after the last). NaN on steps traced without report
-    norms (`run`'s report cadence)."""
-
-    energy_before: jax.Array | None = None
-    energy_after: jax.Array | None = None
-    energy_trajectory: jax.Array | None = None
-
-    def rows(self, path: str) -> list[dict[str, Any]]:
-        """The learning row (`PartMetrics.rows`) with `energy_before`, `energy_after` and,
-        when recorded, `energy_trajectory` (a list of T + 1 floats)."""
-        (row,) = super().rows(path)
-        row["energy_before"] = float(cast(jax.Array, self.energy_before))
-        row["energy_after"] = float(cast(jax.Array, self.energy_after))
-        if self.energy_trajectory is not None:
-            row["energy_trajectory"] = [float(v) for v in jnp.asarray(self.energy_trajectory)]
-        return [row]
 
 
 def _check_steps(value: Any) -> int:
@@ -154,6 +127,8 @@ class IterativeNetwork(AbstractPart):
         record_energy: also report the energy before every relaxation step
             (`RelaxationMetrics.energy_trajectory`).
     """
+
+    defers_updates: ClassVar[bool] = True
 
     network: PCNetwork
     optimiser: Any = eqx.field(static=True)
@@ -233,155 +208,22 @@ class IterativeNetwork(AbstractPart):
 
     def compile(self, path: str) -> Core:
         net = self.network
-        n_mats = net.n_matrices
-        n_hidden = n_mats - 1
-        acts = [net.layer_activation(l) for l in range(n_mats)]
-        input_is_identity = net.input_activation == "identity"
-        steps, rate = self.inference_steps, self.inference_rate
-        z_il, fixed = self.schedule == "z_il", self.fixed_prediction
-        inference_optimiser = self.inference_optimiser
-        record = self.record_energy
-        # Z-IL reads W_l's gradient at time L - 1 - l (before step L - l moves layer l); a
-        # time >= steps is the state after the last step.
-        capture_time = [n_mats - 1 - l for l in range(n_mats)]
         sweep = prediction_sweep(net, path)
+        rule = Relaxation(
+            sizes=tuple(net.sizes),
+            acts=tuple(net.layer_activation(l) for l in range(net.n_matrices)),
+            input_is_identity=net.input_activation == "identity",
+            steps=self.inference_steps,
+            rate=self.inference_rate,
+            z_il=self.schedule == "z_il",
+            fixed=self.fixed_prediction,
+            inference_optimiser=self.inference_optimiser,
+            record=self.record_energy,
+            optimiser=self.optimiser,
+        )
 
-        def forward(state: LearningNetworkState, x):
-            return sweep(state.params, x)
-
-        def backward(state: LearningNetworkState, cache: NetworkCache, error):
-            lead = error.shape[:-1]
-            # A row mask scales every error by s (error_scale): the relaxation, which is not
-            # linear in the error, runs on the real rows' own; what it learns from and hands
-            # on is scaled back, so the masked step is the real rows' step.
-            scale = error_scale()
-            clamp = -widened(error.reshape(-1, net.sizes[-1]))  # delta_L: the output clamp
-            if scale is not None:
-                clamp = clamp / scale
-            n_rows = clamp.shape[0]
-            w, b = state.params.weights, state.params.biases
-            pis = state.precisions  # pi_1 .. pi_L
-            a_hat = [widened(a) for a in cache.activations]  # a_0 .. a_{L-1}
-            z_hat = [widened(z) for z in cache.pre_activations]  # z_1 .. z_{L-1}
-
-            def errors(shifts):
-                """e_1 .. e_L for the hidden shifts delta_1 .. delta_{L-1}."""
-                out = []
-                for l in range(1, n_mats + 1):
-                    delta = shifts[l - 1] if l < n_mats else clamp
-                    if l == 1 or fixed:
-                        moved = -delta
-                    else:
-                        a = acts[l - 1].value(z_hat[l - 2] + shifts[l - 2])
-                        moved = widened(matmul(a - a_hat[l - 1], w[l - 1].T)) - delta
-                    out.append(pis[l - 1] * moved)
-                return out
-
-            def energy(errs):
-                return sum(
-                    0.5 * jnp.sum(e * e / pi) for e, pi in zip(errs, pis)
-                ) / n_rows
-
-            def shift_gradients(shifts, errs):
-                grads = []
-                for l in range(1, n_mats):
-                    z = z_hat[l - 1] if fixed else z_hat[l - 1] + shifts[l - 1]
-                    back = widened(matmul(errs[l], w[l]))
-                    grads.append(acts[l].first(z) * back - errs[l - 1])
-                return tuple(grads)
-
-            shifts = tuple(jnp.zeros_like(z) for z in z_hat)
-            relaxing = bool(steps and n_hidden)  # else nothing moves: no loop at all
-            # the weights whose gradient Z-IL reads inside the loop (the others: after it)
-            inner = ([l for l in range(n_mats) if capture_time[l] < steps]
-                     if z_il and relaxing else [])
-            captured = tuple(jnp.zeros_like(clamp if l == n_hidden else z_hat[l])
-                             for l in inner)
-            trajectory = None
-            if relaxing:
-                opt_init = (inference_optimiser.init(shifts)
-                            if inference_optimiser is not None else None)
-
-                def relax(carry, t):
-                    shifts, opt_s, captured = carry
-                    errs = errors(shifts)
-                    grads = shift_gradients(shifts, errs)
-                    if z_il:
-                        shifts = tuple(
-                            jnp.where(t == n_mats - 1 - l, d - rate * g, d)
-                            for l, (d, g) in enumerate(zip(shifts, grads), start=1)
-                        )
-                        captured = tuple(
-                            jnp.where(t == capture_time[l], errs[l], c)
-                            for l, c in zip(inner, captured)
-                        )
-                    elif inference_optimiser is not None:
-                        with jax.numpy_dtype_promotion("standard"):
-                            updates, opt_s = inference_optimiser.update(grads, opt_s, shifts)
-                        shifts = optax.apply_updates(shifts, updates)
-                    else:
-                        shifts = tuple(d - rate * g for d, g in zip(shifts, grads))
-                    return (shifts, opt_s, captured), (energy(errs) if record else None)
-
-                (shifts, _, captured), energies = jax.lax.scan(
-                    relax, (shifts, opt_init, captured), jnp.arange(steps)
-                )
-                final = errors(shifts)
-                if record:
-                    trajectory = jnp.concatenate([energies, energy(final)[None]])
-            else:
-                final = errors(shifts)
-                if record:
-                    trajectory = jnp.full((steps + 1,), energy(final))
-            child = list(final)
-            for l, c in zip(inner, captured):
-                child[l] = c
-            if scale is not None:
-                child = [c * scale for c in child]
-
-            grads_w: list[Any] = [None] * n_mats
-            grads_b: list[Any] = [None] * n_mats
-            for l in range(n_mats):
-                if l == 0 or fixed or z_il:
-                    parent = a_hat[l]
-                else:
-                    parent = widened(acts[l].value(z_hat[l - 1] + shifts[l - 1]))
-                grads_w[l] = weight_gradient(child[l], parent) / n_rows
-                if b[l] is not None:
-                    grads_b[l] = jnp.sum(child[l], axis=0) / n_rows
-            input_error = matmul(final[0] if scale is None else final[0] * scale, w[0])
-            if not input_is_identity:
-                input_error = acts[0].first(cast(jax.Array, cache.x)) * input_error
-            params, opt_state = state.params, state.opt_state
-            if self.optimiser is not None:
-                gradients = NetworkParams(tuple(grads_w), tuple(grads_b))
-                params, opt_state = optax_step(self.optimiser, params, gradients, opt_state)
-            new_state = LearningNetworkState(params, state.precisions, opt_state, None)
-            input_error = input_error.reshape(*lead, net.sizes[0])
-            base = learning_metrics(
-                state.params, params, error, input_error, net.sizes, measure_later=True)
-            if reports_detailed():
-                before = 0.5 * jnp.sum(pis[-1] * clamp * clamp) / n_rows
-                after = energy(final) if trajectory is None else trajectory[-1]
-                if scale is not None:  # the mean over the real rows
-                    before, after = before * scale, after * scale
-                    if trajectory is not None:
-                        trajectory = trajectory * scale
-            else:
-                before = after = jnp.full((), jnp.nan, jnp.float32)
-                if trajectory is not None:
-                    trajectory = jnp.full_like(trajectory, jnp.nan)
-            metrics = RelaxationMetrics(
-                update_norm=base.update_norm,
-                error_norm=base.error_norm,
-                weight_norm=base.weight_norm,
-                finite=base.finite,
-                layer_sizes=base.layer_sizes,
-                energy_before=before,
-                energy_after=after,
-                energy_trajectory=trajectory,
-            )
-            return input_error, new_state, metrics
+        def forward(state: LearningNetworkState, x, ctx):
+            return sweep(state.params, x, ctx)
 
         def write_back(state: LearningNetworkState) -> IterativeNetwork:
             network = replace_fields(
@@ -389,7 +231,7 @@ class IterativeNetwork(AbstractPart):
             )
             return replace_fields(self, network=network, opt_state=state.opt_state)
 
-        return Core(forward, backward, write_back)
+        return Core(forward, rule.backward, write_back)
 
 
 __all__ = ["RELAXATION_SETTINGS", "SCHEDULES", "IterativeNetwork", "RelaxationMetrics"]

@@ -29,9 +29,10 @@ gradient); `standard` $u_l = \\delta_l$ (the belief shift; $u_L = E$);
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, ClassVar, NamedTuple, cast
 
 import equinox as eqx
 import jax
@@ -39,12 +40,13 @@ import jax.numpy as jnp
 import optax
 
 from fusedpc.core._checks import expect_last_axis
-from fusedpc.core._metrics import learning_metrics
+from fusedpc.core._context import StepContext
+from fusedpc.core._metrics import PartMetrics
 from fusedpc.core._part import AbstractPart, Core, LinearParams, PyTree, replace_fields
-from fusedpc.core._precision import matmul, to_compute, weight_gradient, widened
+from fusedpc.core._precision import widened
+from fusedpc.parts._activations import Activation
 from fusedpc.parts.learning._local_update import (
     SynapticSettings,
-    optax_step,
     resolve_learning,
     scaled_synaptic_gradient,
     synaptic_step,
@@ -74,8 +76,8 @@ class NetworkCache(eqx.Module):
 
 def prediction_sweep(
     net: PCNetwork, path: str
-) -> Callable[[NetworkParams, Any], tuple[Any, NetworkCache]]:
-    """The prediction sweep of `net` as a pure function `(params, x) -> (y, cache)`: every
+) -> Callable[[NetworkParams, Any, StepContext], tuple[Any, NetworkCache]]:
+    """The prediction sweep of `net` as a pure function `(params, x, ctx) -> (y, cache)`: every
     $\\hat z_{l+1} = g_l(\\hat z_l) W_l^\\top + b_l$ over the rows of `(..., in)` input, the head
     on the last; the cache holds what a learning step reads (`NetworkCache`). Shared by every
     part built on a `PCNetwork` (`LearningNetwork`, `IterativeNetwork`). Checks the input's
@@ -84,22 +86,22 @@ def prediction_sweep(
     acts = [net.layer_activation(l) for l in range(n_mats)]
     input_is_identity = net.input_activation == "identity"
 
-    def sweep(params: NetworkParams, x):
+    def sweep(params: NetworkParams, x, ctx: StepContext):
         expect_last_axis(path, x, net.sizes[0])
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(
                 f"{path or '<root>'}: expected a floating-point input, got dtype {x.dtype}."
             )
         lead = x.shape[:-1]
-        rows = to_compute(x.reshape(-1, net.sizes[0]))
+        rows = ctx.to_compute(x.reshape(-1, net.sizes[0]))
         a = rows if input_is_identity else acts[0].value(rows)
         activations, pre_activations = [a], []
         w, b = params.weights, params.biases
         for l in range(n_mats):
-            z = matmul(a, w[l].T)
+            z = ctx.matmul(a, w[l].T)
             bias = b[l]
             if bias is not None:
-                z = z + to_compute(bias)
+                z = z + ctx.to_compute(bias)
             if l < n_mats - 1:
                 pre_activations.append(z)
                 a = acts[l + 1].value(z)
@@ -174,6 +176,8 @@ class LearningNetwork(AbstractPart):
             are multiplied by $k$.
     """
 
+    defers_updates: ClassVar[bool] = True
+
     network: PCNetwork
     optimiser: Any = eqx.field(static=True)
     learning_kind: str = eqx.field(static=True)
@@ -239,114 +243,11 @@ class LearningNetwork(AbstractPart):
 
     def compile(self, path: str) -> Core:
         net = self.network
-        n_mats = net.n_matrices
-        acts = [net.layer_activation(l) for l in range(n_mats)]
-        input_is_identity = net.input_activation == "identity"
-        synaptic = self.synaptic
-        kind = self.learning_kind
-        k = self.weight_reuse
-
         sweep = prediction_sweep(net, path)
+        rule = _LocalRule.of(self)
 
-        def forward(state: LearningNetworkState, x):
-            return sweep(state.params, x)
-
-        def backward(state: LearningNetworkState, cache: NetworkCache, error):
-            lead = error.shape[:-1]
-            err = widened(error.reshape(-1, net.sizes[-1]))  # the recursion runs in float32
-            n_rows = err.shape[0]
-            w, b = state.params.weights, state.params.biases
-            precisions = state.precisions
-            if net.head == "gaussian":
-                message = precisions[-1] * err
-                curvature = jnp.broadcast_to(precisions[-1], err.shape)
-            else:
-                message = err
-                out = cast(jax.Array, cache.output)  # cached by every head but the gaussian
-                curvature = out * (1.0 - out)
-            child_factor = err if kind == "standard" else message
-            importance = curvature  # Gauss-Newton diagonal, seeds the synaptic importance
-            kappa = curvature
-            # filled in by the loop below (a bias's slots only where the matrix has a bias)
-            grads_w: list[Any] = [None] * n_mats
-            grads_b: list[Any] = [None] * n_mats
-            increments_w: list[Any] = [None] * n_mats
-            increments_b: list[Any] = [None] * n_mats
-            new_precisions = list(precisions)
-            for l in reversed(range(n_mats)):
-                a = cache.activations[l]
-                grads_w[l] = (k / n_rows) * weight_gradient(child_factor, a)
-                if b[l] is not None:
-                    grads_b[l] = (k / n_rows) * jnp.sum(widened(child_factor), axis=0)
-                if synaptic is not None:
-                    mean_importance = k * jnp.mean(importance, axis=0)
-                    a_wide = widened(a)
-                    increments_w[l] = (
-                        mean_importance[:, None] * jnp.mean(a_wide * a_wide, axis=0)[None, :]
-                    )
-                    if b[l] is not None:
-                        increments_b[l] = mean_importance
-                back = matmul(message, w[l])
-                if l == 0:
-                    if input_is_identity:
-                        input_error = back
-                    else:
-                        x_rows = cast(jax.Array, cache.x)  # cached for a non-identity input
-                        input_error = acts[0].first(x_rows) * back
-                    break
-                back = widened(back)
-                z = widened(cache.pre_activations[l - 1])
-                first = acts[l].first(z)
-                pi = precisions[l - 1]
-                routed = first * back
-                w_squared = w[l] * w[l]
-                evidence = first * first * (kappa @ w_squared)
-                if kind == "standard" or self.update_precisions:
-                    posterior = jnp.maximum(pi + evidence + acts[l].second(z) * back, pi)
-                if self.update_precisions:
-                    gained = pi + jnp.mean(posterior - pi, axis=0)
-                    leak = self.time_step * math.exp(self.tonic_volatility)
-                    new_precisions[l - 1] = 1.0 / (1.0 / gained + leak)
-                if synaptic is not None:
-                    importance = jnp.maximum(first * first * (importance @ w_squared), 0.0)
-                kappa = pi * evidence / (pi + evidence)
-                message = routed
-                child_factor = routed / posterior if kind == "standard" else routed
-            gradients = NetworkParams(tuple(grads_w), tuple(grads_b))
-            params, opt_state, weight_precision = state.params, state.opt_state, None
-            if synaptic is not None:
-                extra = cast(NetworkParams, state.weight_precision)  # kept by the synaptic kind
-                scaled, opt_state = scaled_synaptic_gradient(self.optimiser, gradients, opt_state)
-                grads_w, grads_b = list(scaled.weights), list(scaled.biases)
-                pairs_w = [
-                    synaptic_step(synaptic, w[l], grads_w[l], extra.weights[l],
-                                  increments_w[l])
-                    for l in range(n_mats)
-                ]
-                pairs_b = [
-                    None if b[l] is None else synaptic_step(
-                        # where b[l] is an array, so is its precision
-                        synaptic, b[l], grads_b[l], extra.biases[l],  # type: ignore[arg-type]
-                        increments_b[l])
-                    for l in range(n_mats)
-                ]
-                params = NetworkParams(
-                    tuple(p[0] for p in pairs_w),
-                    tuple(None if p is None else p[0] for p in pairs_b),
-                )
-                weight_precision = NetworkParams(
-                    tuple(p[1] for p in pairs_w),
-                    tuple(None if p is None else p[1] for p in pairs_b),
-                )
-            elif self.optimiser is not None:
-                params, opt_state = optax_step(self.optimiser, params, gradients, opt_state)
-            new_state = LearningNetworkState(
-                params, tuple(new_precisions), opt_state, weight_precision
-            )
-            input_error = input_error.reshape(*lead, net.sizes[0])
-            metrics = learning_metrics(
-                state.params, params, error, input_error, net.sizes, measure_later=True)
-            return input_error, new_state, metrics
+        def forward(state: LearningNetworkState, x, ctx):
+            return sweep(state.params, x, ctx)
 
         def write_back(state: LearningNetworkState) -> LearningNetwork:
             network = replace_fields(
@@ -362,8 +263,225 @@ class LearningNetwork(AbstractPart):
                 weight_precision=state.weight_precision,
             )
 
-        return Core(forward, backward, write_back)
+        return Core(forward, rule.backward, write_back)
 
+
+class _Sweep(NamedTuple):
+    """What the sweep towards the input gives a `LearningNetwork`'s step: the row-mean
+    descent `gradients` $\\bar G_l, \\bar g_l$, the synaptic importance `increments` $H_l$
+    (`NetworkParams`-shaped; every entry None but for the synaptic kind), the `precisions`
+    after the step (one per non-input layer) and the `input_error` $e_0$ `(R, in)`."""
+
+    gradients: NetworkParams
+    increments: NetworkParams
+    precisions: tuple[jax.Array, ...]
+    input_error: jax.Array
+
+
+class _HiddenStep(NamedTuple):
+    """The sweep's values at hidden layer $l$, handed on to layer $l - 1$: the message
+    $e_l = R_l$, the child factor $u_l$ of the weight gradient, the child precision
+    $\\kappa_l$, the synaptic importance and the layer's precision $\\pi_l$ after the step."""
+
+    message: jax.Array
+    child_factor: jax.Array
+    kappa: jax.Array
+    importance: jax.Array
+    precision: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _LocalRule:
+    """The static configuration of a `LearningNetwork`'s step (no arrays: the state brings
+    them) and its backward, in the notation of the module docstring.
+
+    `sizes` and `head` of the network, `acts` $g_0 \\dots g_{L-1}$, `kind` (the learning
+    kind), `reuse` $k$ (`weight_reuse`), `synaptic` (settings of the synaptic kind, else
+    None), `update_precisions`, `leak` $\\Delta t\\, e^{\\omega}$ and the optax `optimiser`.
+    """
+
+    sizes: tuple[int, ...]
+    head: str
+    acts: tuple[Activation, ...]
+    input_is_identity: bool
+    kind: str
+    reuse: float
+    synaptic: SynapticSettings | None
+    update_precisions: bool
+    leak: float
+    optimiser: Any
+
+    @classmethod
+    def of(cls, part: LearningNetwork) -> _LocalRule:
+        """The configuration of `part`."""
+        net = part.network
+        return cls(
+            sizes=tuple(net.sizes),
+            head=net.head,
+            acts=tuple(net.layer_activation(l) for l in range(net.n_matrices)),
+            input_is_identity=net.input_activation == "identity",
+            kind=part.learning_kind,
+            reuse=part.weight_reuse,
+            synaptic=part.synaptic,
+            update_precisions=part.update_precisions,
+            leak=part.time_step * math.exp(part.tonic_volatility),
+            optimiser=part.optimiser,
+        )
+
+    def backward(self, state: LearningNetworkState, cache: NetworkCache, error: jax.Array,
+                 ctx: StepContext) -> tuple[jax.Array, LearningNetworkState, PartMetrics]:
+        """The learning step (`Core.backward`): the sweep towards the input from the output
+        error $E$ `(..., out)` (in float32), then the weight step, the precisions of the sweep
+        and the standard report; hands back $e_0$ `(..., in)`."""
+        lead = error.shape[:-1]
+        err = widened(error.reshape(-1, self.sizes[-1]))  # the recursion runs in float32
+        sweep = self.error_sweep(state, cache, err, ctx)
+        params, opt_state, weight_precision = self.weight_step(state, sweep, ctx)
+        new_state = LearningNetworkState(params, sweep.precisions, opt_state, weight_precision)
+        input_error = sweep.input_error.reshape(*lead, self.sizes[0])
+        metrics = ctx.learning_metrics(state.params, params, error, input_error, self.sizes)
+        return input_error, new_state, metrics
+
+    def output_seed(self, precision: jax.Array, err: jax.Array,
+                    cache: NetworkCache) -> tuple[jax.Array, jax.Array]:
+        """The output's message and curvature: $(\\pi_L E, \\pi_L)$ for a gaussian head,
+        $(E, \\hat y (1 - \\hat y))$ at the logits of a categorical or binary head."""
+        if self.head == "gaussian":
+            return precision * err, jnp.broadcast_to(precision, err.shape)
+        out = cast(jax.Array, cache.output)  # cached by every head but the gaussian
+        return err, out * (1.0 - out)
+
+    def error_sweep(self, state: LearningNetworkState, cache: NetworkCache, err: jax.Array,
+                    ctx: StepContext) -> _Sweep:
+        """One sweep from the output error `err` `(R, out)` towards the input: at each
+        matrix $l$ (output side first) the gradients $\\bar G_l = (k/R)\\, u_{l+1}^\\top a_l$ and
+        $\\bar g_l = (k/R) \\sum_r u_{l+1}$, the synaptic increments $H_l$, then $e_{l+1} W_l$
+        routed into hidden layer $l$ (`hidden_step`) or, at the input, $e_0 = g_0'(x) \\odot
+        (e_1 W_0)$."""
+        n_rows, n_mats, k = err.shape[0], len(self.acts), self.reuse
+        w, b = state.params.weights, state.params.biases
+        precisions = state.precisions
+        message, curvature = self.output_seed(precisions[-1], err, cache)
+        child_factor = err if self.kind == "standard" else message
+        importance = curvature  # Gauss-Newton diagonal, seeds the synaptic importance
+        kappa = curvature
+        # filled in by the loop below (a bias's slots only where the matrix has a bias)
+        grads_w: list[Any] = [None] * n_mats
+        grads_b: list[Any] = [None] * n_mats
+        increments_w: list[Any] = [None] * n_mats
+        increments_b: list[Any] = [None] * n_mats
+        new_precisions = list(precisions)
+        for l in reversed(range(n_mats)):
+            a = cache.activations[l]
+            grads_w[l] = (k / n_rows) * ctx.weight_gradient(child_factor, a)
+            if b[l] is not None:
+                grads_b[l] = (k / n_rows) * jnp.sum(widened(child_factor), axis=0)
+            if self.synaptic is not None:
+                increments_w[l], increments_b[l] = self.increments(importance, a,
+                                                                   b[l] is not None)
+            back = ctx.matmul(message, w[l])
+            if l == 0:
+                if self.input_is_identity:
+                    input_error = back
+                else:
+                    x_rows = cast(jax.Array, cache.x)  # cached for a non-identity input
+                    input_error = self.acts[0].first(x_rows) * back
+                break
+            message, child_factor, kappa, importance, new_precisions[l - 1] = self.hidden_step(
+                l, back, cache.pre_activations[l - 1], precisions[l - 1], w[l], kappa,
+                importance,
+            )
+        return _Sweep(
+            NetworkParams(tuple(grads_w), tuple(grads_b)),
+            NetworkParams(tuple(increments_w), tuple(increments_b)),
+            tuple(new_precisions),
+            input_error,
+        )
+
+    def increments(self, importance: jax.Array, a: jax.Array,
+                   has_bias: bool) -> tuple[jax.Array, jax.Array | None]:
+        """The synaptic increments of matrix $l$ from the child's importance $h$ `(R, out)`
+        and the parent's activations $a_l$ `(R, in)`: $H^W = k\\, \\mathrm{mean}_r h \\otimes
+        \\mathrm{mean}_r a_l^2$ and, with a bias, $H^b = k\\, \\mathrm{mean}_r h$."""
+        mean_importance = self.reuse * jnp.mean(importance, axis=0)
+        a_wide = widened(a)
+        weight = mean_importance[:, None] * jnp.mean(a_wide * a_wide, axis=0)[None, :]
+        return weight, (mean_importance if has_bias else None)
+
+    def hidden_step(self, l: int, back: jax.Array, z_hat: jax.Array, pi: jax.Array,
+                    w_l: jax.Array, kappa: jax.Array, importance: jax.Array) -> _HiddenStep:
+        """The sweep at hidden layer $l$ from `back` $= e_{l+1} W_l$ `(R, n_l)`, $\\hat z_l$,
+        $\\pi_l$, $W_l$ and the child precision $\\kappa_{l+1}$: $e_l = R_l = g_l'(\\hat z_l)
+        \\odot e_{l+1} W_l$, $\\xi_l = g_l'^2 \\odot (\\kappa_{l+1} (W_l \\odot W_l))$,
+        $\\kappa_l = \\pi_l \\xi_l / (\\pi_l + \\xi_l)$, the child factor $u_l$ ($R_l / \\pi^+_l$
+        for the standard kind, else $R_l$), the importance $\\max(g_l'^2 \\odot (h (W_l \\odot
+        W_l)), 0)$ (synaptic kind) and, with `update_precisions`, $\\pi_l \\leftarrow (1 /
+        (\\pi_l + \\mathrm{mean}_r(\\pi^+_l - \\pi_l)) + \\Delta t\\, e^{\\omega})^{-1}$."""
+        act = self.acts[l]
+        back = widened(back)
+        z = widened(z_hat)
+        first = act.first(z)
+        routed = first * back
+        w_squared = w_l * w_l
+        evidence = first * first * (kappa @ w_squared)
+        if self.kind == "standard" or self.update_precisions:
+            posterior = jnp.maximum(pi + evidence + act.second(z) * back, pi)
+        precision = pi
+        if self.update_precisions:
+            gained = pi + jnp.mean(posterior - pi, axis=0)
+            precision = 1.0 / (1.0 / gained + self.leak)
+        if self.synaptic is not None:
+            importance = jnp.maximum(first * first * (importance @ w_squared), 0.0)
+        kappa = pi * evidence / (pi + evidence)
+        child_factor = routed / posterior if self.kind == "standard" else routed
+        return _HiddenStep(routed, child_factor, kappa, importance, precision)
+
+    def weight_step(self, state: LearningNetworkState, sweep: _Sweep,
+                    ctx: StepContext) -> tuple[NetworkParams, PyTree, NetworkParams | None]:
+        """`(params, opt_state, weight_precision)` after the step on the sweep's gradients:
+        the synaptic rule (`_synaptic_network_step`), the optax optimiser, or nothing."""
+        params, opt_state = state.params, state.opt_state
+        if self.synaptic is not None:
+            extra = cast(NetworkParams, state.weight_precision)  # kept by the synaptic kind
+            return _synaptic_network_step(self.synaptic, self.optimiser, params,
+                                         sweep.gradients, opt_state, extra, sweep.increments)
+        if self.optimiser is not None:
+            params, opt_state = ctx.optimiser_step(self.optimiser, params, sweep.gradients,
+                                                   opt_state)
+        return params, opt_state, None
+
+
+def _synaptic_network_step(
+    settings: SynapticSettings, optimiser: Any, params: NetworkParams,
+    gradients: NetworkParams, opt_state: PyTree, weight_precision: NetworkParams,
+    increments: NetworkParams,
+) -> tuple[NetworkParams, PyTree, NetworkParams]:
+    """`synaptic_step` on every weight and bias of a network: `(params, opt_state,
+    weight_precision)` after it, from the descent `gradients` (scaled by a rate multiplier
+    `optimiser`, `scaled_synaptic_gradient`), the precisions above the prior and the
+    importance `increments` $H$ (entries None where a matrix has no bias)."""
+    scaled, opt_state = scaled_synaptic_gradient(optimiser, gradients, opt_state)
+    pairs_w = [
+        synaptic_step(settings, w, g, extra, h)
+        for w, g, extra, h in zip(params.weights, scaled.weights, weight_precision.weights,
+                                  increments.weights)
+    ]
+    pairs_b = [
+        # where a bias is an array, so are its gradient, precision and increment
+        None if bias is None else synaptic_step(
+            settings, bias, g, extra, h)  # type: ignore[arg-type]
+        for bias, g, extra, h in zip(params.biases, scaled.biases, weight_precision.biases,
+                                     increments.biases)
+    ]
+    new_params = NetworkParams(
+        tuple(p[0] for p in pairs_w),
+        tuple(None if p is None else p[0] for p in pairs_b),
+    )
+    new_precision = NetworkParams(
+        tuple(p[1] for p in pairs_w),
+        tuple(None if p is None else p[1] for p in pairs_b),
+    )
+    return new_params, opt_state, new_precision
 
 __all__ = [
     "LearningNetwork",

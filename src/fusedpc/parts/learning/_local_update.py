@@ -7,16 +7,12 @@ embedding and any future learning part accept exactly the same keywords.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-
-from fusedpc.core._gradients import DeferredUpdate, deferring, hook_gradients
 
 LEARNING_KINDS = ("precision_weighted", "standard", "synaptic_uncertainty")
 SYNAPTIC_DEFAULTS = {
@@ -177,50 +173,3 @@ def synaptic_step(
         - extra_precision / settings.window
     )
     return new_weight, new_extra
-
-
-def optax_step(optimiser, params, gradients, opt_state):
-    """`updates, s' = opt.update(G, s, params)`; `params + updates` (descent gradients).
-
-    Runs under standard dtype promotion: optax mixes Python floats with integer step counts,
-    which a caller's strict promotion setting would otherwise reject. Inside an unrolled
-    `Repeat`'s `deferred_updates` the step is recorded instead and stand-ins are returned;
-    the `Repeat` applies it once over its stacked blocks (`apply_optax`).
-    """
-    gradients = hook_gradients(gradients)  # global clipping, when the executor asks for it
-    records = deferring()
-    if records is not None:
-        # an optax update keeps its state's structure, shapes and dtypes (as a loop over
-        # steps needs), and `apply_updates` the parameters': the stand-ins are zeros of those
-        def stand_in(x):
-            return jnp.zeros(jnp.shape(x), jnp.result_type(x)) if _is_array(x) else x
-
-        record = DeferredUpdate(optimiser, functools.partial(apply_optax, optimiser),
-                                params, gradients, opt_state,
-                                jax.tree_util.tree_map(stand_in, params),
-                                jax.tree_util.tree_map(stand_in, opt_state))
-        records.append(record)
-        return record.new_params, record.new_state
-    return apply_optax(optimiser, params, gradients, opt_state)
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def apply_optax(optimiser, params, gradients, opt_state):
-    """`optax_step` itself, never deferred: the optimiser's update, applied to `params`."""
-    with jax.numpy_dtype_promotion("standard"):
-        try:
-            updates, opt_state = optimiser.update(gradients, opt_state, params)
-        except TypeError as err:
-            if "keyword-only argument" not in str(err) or "'value'" not in str(err):
-                raise
-            raise TypeError(
-                "optimiser: this optax optimiser needs the loss value at each update "
-                f"({err}); optax.contrib.reduce_on_plateau and optax.lbfgs are such. A "
-                "part's local learning step has no loss of its own to pass, so they cannot "
-                "run here: use a schedule (fusedpc.training.learning_rate_schedule) instead "
-                "of reduce_on_plateau, and a first-order optimiser instead of lbfgs."
-            ) from None
-    return optax.apply_updates(params, updates), opt_state

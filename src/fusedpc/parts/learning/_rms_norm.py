@@ -14,7 +14,7 @@ error (`fusedpc.parts.frozen.rms_norm_input_error`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -22,10 +22,9 @@ import jax.numpy as jnp
 import optax
 
 from fusedpc.core._checks import expect_last_axis
-from fusedpc.core._metrics import learning_metrics
 from fusedpc.core._part import AbstractPart, Core, PyTree, replace_fields
 from fusedpc.parts.frozen import RMSNormParams, rms_norm_forward, rms_norm_input_error
-from fusedpc.parts.learning._embedding import norm_affine_step
+from fusedpc.parts.learning._layer_norm import norm_affine_step
 from fusedpc.parts.learning._local_update import resolve_learning
 
 
@@ -46,6 +45,8 @@ class LearningRMSNorm(AbstractPart):
     it behaves as a frozen RMSNorm. `fusedpc.transplant.from_rms_norm` builds one from an
     `eqx.nn.RMSNorm`.
     """
+
+    defers_updates: ClassVar[bool] = True
 
     weight: jax.Array
     bias: jax.Array | None
@@ -99,17 +100,17 @@ class LearningRMSNorm(AbstractPart):
         width = self.weight.shape[0]
         eps = self.eps
 
-        def forward(state: RMSNormState, x):
+        def forward(state: RMSNormState, x, ctx):
             expect_last_axis(path, x, width)
-            return rms_norm_forward(state.params, x, eps)
+            return rms_norm_forward(state.params, x, eps, ctx.compute_dtype)
 
-        def backward(state: RMSNormState, cache, error):
-            input_error = rms_norm_input_error(state.params.weight, cache, error)
+        def backward(state: RMSNormState, cache, error, ctx):
+            input_error = rms_norm_input_error(state.params.weight, cache, error,
+                                               ctx.compute_dtype)
             params, opt_state = norm_affine_step(
-                self.optimiser, state.params, state.opt_state, error, cache.n_hat
+                self.optimiser, state.params, state.opt_state, error, cache.n_hat, ctx
             )
-            metrics = learning_metrics(
-                state.params, params, error, input_error, (width,), measure_later=True)
+            metrics = ctx.learning_metrics(state.params, params, error, input_error, (width,))
             return input_error, RMSNormState(params, opt_state), metrics
 
         def write_back(state: RMSNormState) -> LearningRMSNorm:
