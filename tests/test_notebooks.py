@@ -25,6 +25,7 @@ def test_every_notebook_is_tested():
     assert {p.name for p in NOTEBOOKS.glob("*.py")} == tested
 
 
+@pytest.mark.slow
 def test_01_build_a_hybrid_tree(capsys):
     g = _run("01_build_a_hybrid_tree.py")
     assert g["final_loss"] < 0.1 * g["initial_loss"]

@@ -64,6 +64,7 @@ def test_installed_metadata_is_the_pyproject_version():
 
 
 # --------------------------------------------------------------------------- import cost
+@pytest.mark.slow
 def test_import_fusedpc_does_not_import_matplotlib():
     loaded = _python(
         "import json, sys\n"

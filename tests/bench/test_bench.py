@@ -30,6 +30,7 @@ def _rows(capsys) -> tuple[list[dict], str]:
     return [json.loads(line) for line in lines], captured.err  # one JSON object per line
 
 
+@pytest.mark.slow
 def test_all_variants_in_process_with_compare_and_peak(capsys):
     argv = [*MICRO, "--in-process", "--compare", "--peak", "--peak-sizes", "16"]
     assert bench.main(argv) == 0
@@ -58,6 +59,7 @@ def test_all_variants_in_process_with_compare_and_peak(capsys):
     assert "ratio" in err and "backprop" in err  # the human table
 
 
+@pytest.mark.slow
 def test_interleaved_depth_sweep_rows_and_summary(capsys):
     argv = [*MICRO, "--interleave", "--n-blocks", "1,2", "--steps", "1", "--variants",
             "fused_scan"]
@@ -73,6 +75,7 @@ def test_interleaved_depth_sweep_rows_and_summary(capsys):
     assert "fused_scan" in err and "compile s" in err  # the human table
 
 
+@pytest.mark.slow
 def test_worker_subprocess_with_emulated_devices(capsys):
     # The default path: each variant in a fresh process, XLA_FLAGS set before jax starts.
     argv = [*MICRO, "--variants", "fused", "--no-donate-probe", "--devices", "2"]
@@ -153,6 +156,7 @@ def test_settings_are_checked_when_built():
         bench.BenchArgs(variants=("fused", "warp"))
 
 
+@pytest.mark.slow
 def test_iterative_variants_run_beside_the_single_sweep_step(capsys):
     # --learning all: the feed-forwards learn, so they are IterativeNetworks relaxing T steps
     argv = [*MICRO, "--in-process", "--no-donate-probe", "--learning", "all", "--variants",

@@ -142,6 +142,7 @@ def test_fusedpc_report_finds_a_cell_for_every_kind_preset_and_optimiser(evidenc
     assert suggest(TrainConfig(), [], evidence=evidence)  # the bundled file, as read
 
 
+@pytest.mark.slow
 def test_the_shipped_file_is_what_the_study_writes(tmp_path, evidence):
     # the study's lines the evidence keeps (a study line, summary and targets lines), back
     # through the documented conversion: the same bytes

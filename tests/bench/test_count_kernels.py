@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fusedpc.bench._kernels import count_fusions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +72,7 @@ def test_a_compiled_program_counts_its_repeated_kernels_once():
         "fusions": 2, "distinct_fusions": 2}
 
 
+@pytest.mark.slow
 def test_smoke_prints_the_counts():
     done = subprocess.run([sys.executable, str(SCRIPT), "--smoke"], capture_output=True,
                           text=True, timeout=600, check=False)
@@ -80,6 +83,7 @@ def test_smoke_prints_the_counts():
     assert row["compile_s"] > 0
 
 
+@pytest.mark.slow
 def test_a_tree_is_compiled_in_its_own_process_and_counted_in_this_one():
     # the worker imports the tree's src alone (which may predate fusedpc.bench._kernels)
     done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--tree", f"now={ROOT / 'src'}"],

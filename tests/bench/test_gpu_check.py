@@ -84,6 +84,7 @@ def test_without_a_gpu_the_full_check_refuses_in_one_line():
 
 
 @pytest.mark.parametrize(("smoke", "at_least"), [(False, 32), (True, 1)])
+@pytest.mark.slow
 def test_the_parity_marker_selects_the_parity_tests(smoke, at_least):
     # the parity stage selects by the gpu_parity marker, so that a renamed test keeps its
     # place; what remains to go wrong is a marker dropped or misspelt, selecting too few

@@ -39,6 +39,7 @@ def test_each_products_flops_are_what_xla_counts_for_it():
         assert cost["flops"] == product["flops"], product["product"]
 
 
+@pytest.mark.slow
 def test_smoke_prints_a_row_per_product_and_the_ceiling():
     done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--rounds", "1",
                            "--reps", "1"], capture_output=True, text=True, timeout=600,
@@ -55,6 +56,7 @@ def test_smoke_prints_a_row_per_product_and_the_ceiling():
     assert len(rows) - 1 == len(_module().products("smoke")) + 1  # and one probe size
 
 
+@pytest.mark.slow
 def test_bad_rounds_are_refused_by_name():
     done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--rounds", "0"],
                           capture_output=True, text=True, timeout=600, check=False)

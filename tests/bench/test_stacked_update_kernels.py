@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from helpers import host_leaves, load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "stacked_update_kernels.py"
@@ -37,6 +38,7 @@ def test_every_form_gives_every_block_the_same_new_parameters_and_state():
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=name)
 
 
+@pytest.mark.slow
 def test_it_prints_every_forms_counts():
     done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
                           timeout=600, check=False)

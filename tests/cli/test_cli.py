@@ -71,6 +71,7 @@ def tiny_run(train_cli, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_train_writes_every_file_and_the_loss_falls(tiny_run):
     for name in ("checkpoint.fpc", "log.jsonl", "config.toml", "loss.png", "update_norm.png",
                  "update_ratio.png"):
@@ -228,6 +229,7 @@ def test_a_run_folder_of_fusedpc_0_1_is_refused_naming_the_new_names(tmp_path, c
     assert "removed in 0.4.0" in line
 
 
+@pytest.mark.slow
 def test_interrupt_saves_a_checkpoint_and_the_files(cache, tmp_path):
     _runtime.enable_compile_cache(cache)
     config = _config_file.resolve_config(TINY, {"steps": 30})
@@ -309,6 +311,7 @@ def test_bad_input_exits_with_one_line(args, expected, capsys):
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_the_spike_guard_skips_and_logs_its_reason(train_cli, tmp_path, capsys):
     # A bound no real update meets: every step is refused, and each refusal is said.
     run = tmp_path / "guarded"
@@ -364,6 +367,7 @@ def test_bench_is_routed_to_fusedpc_bench(capsys):
     assert capsys.readouterr().out.startswith("usage: fusedpc bench")
 
 
+@pytest.mark.slow
 def test_console_script_error_in_a_fresh_process():
     result = subprocess.run(
         [sys.executable, "-m", "fusedpc.cli", "train", "--width", "30", "--heads", "4"],
@@ -387,6 +391,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_claimed_folder_is_refused(tmp_path):
     # Another process holds the folder (as a run does for its life): a run into it is
     # refused with one line, before it writes anything.
@@ -455,6 +460,7 @@ def test_resume_into_another_runs_folder_is_refused(train_cli, tiny_run, tmp_pat
     assert (other / "checkpoint.fpc").read_bytes() == before  # nothing overwritten
 
 
+@pytest.mark.slow
 def test_resume_refuses_an_edited_config_unless_allowed(train_cli, tmp_path, capsys):
     run = tmp_path / "edited"
     assert train_cli("--steps", "5", "--out", str(run)) == 0
@@ -543,6 +549,7 @@ def test_version_flag(capsys):
     assert capsys.readouterr().out.strip() == f"fusedpc {fusedpc.__version__}"
 
 
+@pytest.mark.slow
 def test_a_missing_backend_is_one_line_saying_what_to_install(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "fusedpc.cli", "train", "--device", "tpu", "--config", str(TINY),
@@ -693,6 +700,7 @@ def _expected_rate(t, peak, warmup, decay, final):
     return final * peak + (peak - final * peak) * 0.5 * (1 + np.cos(np.pi * progress))
 
 
+@pytest.mark.slow
 def test_the_logged_rate_follows_warm_up_and_cosine(train_cli, tmp_path):
     out = tmp_path / "cosine"
     assert train_cli("--steps", "20", "--lr", "0.01", "--lr-schedule", "cosine",
@@ -755,6 +763,7 @@ def _read_events(folder: Path) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
+@pytest.mark.slow
 def test_tensorboard_event_files_mirror_the_log(train_cli, tmp_path):
     pytest.importorskip("tensorboardX")
     out = tmp_path / "board"

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import fusedpc
 from fusedpc.core import Packed
@@ -110,6 +111,7 @@ def test_packed_tree_round_trips_with_leading_axes_and_on_the_host():
     assert isinstance(host.unpack()["rows"], np.ndarray)
 
 
+@pytest.mark.slow
 def test_a_step_writes_its_reports_as_a_few_arrays_however_deep_the_tree():
     """The parts' norms and flags and the state's flags leave the compiled step as one vector
     per dtype: a hundred small outputs were a hundred kernels to compile."""

@@ -206,6 +206,7 @@ def test_resume_in_a_new_pipeline_equals_the_uninterrupted_run(tmp_path):
     assert snapshot(resumed) == snapshot(straight)  # weights, optimiser state and counters
 
 
+@pytest.mark.slow
 def test_gpt_resume_with_run_equals_uninterrupted(tmp_path):
     pipeline = gpt_pipeline()
     pipeline.run(*gpt_batches(0, 3), keep_outputs=False)
@@ -563,6 +564,7 @@ KILL_SCRIPT = MLP_SOURCE + textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_killed_save_leaves_the_previous_checkpoint_intact(saved, tmp_path):
     pipeline, path = saved
     digest = file_digest(path)
@@ -734,6 +736,7 @@ SHARDED_SCRIPT = MLP_SOURCE + textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sharded_and_single_device_checkpoints_are_interchangeable(tmp_path):
     env = {
         **os.environ,
@@ -756,6 +759,7 @@ DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
 @pytest.mark.parametrize("name", sorted(V01))
+@pytest.mark.slow
 def test_a_release_01_checkpoint_with_frozen_parameters_loads(name):
     # Written by release 0.1 (data/make_v01_checkpoints.py): frozen parameters stored as
     # dicts in sorted key order (bias before weight) and the frozen LayerNorm's eps as a leaf.

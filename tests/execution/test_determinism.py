@@ -54,6 +54,7 @@ def _assert_bitwise(a: list[np.ndarray], b: list[np.ndarray], what: str) -> None
         assert np.array_equal(x, y), f"{what}: leaf {i} differs (max {np.max(np.abs(x - y))})"
 
 
+@pytest.mark.slow
 def test_two_identical_runs_are_bit_identical_down_to_the_checkpoint(tmp_path):
     pytest.importorskip("fusedpc.execution._checkpoint")
     xs, ts = _data()

@@ -72,6 +72,7 @@ def _global_norm(tree) -> float:
 
 @pytest.mark.gpu_parity
 @pytest.mark.parametrize("name", ["sgd", "adam"])
+@pytest.mark.slow
 def test_every_step_equals_the_twin_with_clip_by_global_norm(name):
     optimiser = {"sgd": optax.sgd(0.5), "adam": optax.adam(1e-2)}[name]
     tree, params = _two_networks(optimiser)
@@ -128,6 +129,7 @@ def _clipped_twin(model, optimiser, batches):
 
 
 @pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.gpu_parity)])
+@pytest.mark.slow
 def test_a_gpt_with_global_clipping_follows_its_twin(scan):
     config = fusedpc.GPTConfig(
         vocab_size=11, width=16, n_heads=4, n_blocks=2, ff_width=32, max_len=8, learn="all",

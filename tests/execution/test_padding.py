@@ -37,6 +37,7 @@ def test_masked_step_equals_the_masked_mean_twin_on_every_head():
     _assert_parity(padding_parity())
 
 
+@pytest.mark.slow
 def test_masked_step_parity_at_xla_default_optimisation_level():
     # A fresh process without the suite's level-0 flag: fusions there (softmax and the
     # subtraction into one rounding) are what broke padding by zero rows.

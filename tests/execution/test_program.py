@@ -74,6 +74,7 @@ def test_run_equals_a_users_scan_of_step():
     _assert_trees_equal(dropped.metrics.loss, outs.metrics.loss)
 
 
+@pytest.mark.slow
 def test_vmap_over_four_seeds_matches_four_pipelines():
     # Four seeds (each tree's weights drawn from its own key) trained at once by one vmapped
     # program, each on its own batches, against four separate pipelines.
@@ -221,6 +222,7 @@ def _cadence_pipelines(**guards):
     return [fusedpc.FusedPipeline(part, config.error_fn, **guards) for _ in range(2)]
 
 
+@pytest.mark.slow
 def test_report_cadence_reports_equal_full_metrics_and_losses_every_step():
     xs = np.asarray(jax.random.randint(jax.random.key(1), (7, 2, 8), 0, 11))
     full, cadence = _cadence_pipelines()
@@ -277,6 +279,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_reports_are_equal_in_step_run_and_cadence_at_the_default_level():
     # The report norms are measured together at the end of each step, as dot products of
     # the arrays as written (a reduction would fuse their producers and round by its
@@ -286,6 +289,7 @@ def test_reports_are_equal_in_step_run_and_cadence_at_the_default_level():
     assert outcome == {"cadence": True, "step": True, "rows": 18}
 
 
+@pytest.mark.slow
 def test_steps_between_reports_keep_the_commit_rule():
     xs = np.asarray(jax.random.randint(jax.random.key(1), (4, 2, 8), 0, 11))
     bad = xs.copy()
@@ -314,6 +318,7 @@ def test_steps_between_reports_keep_the_commit_rule():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_update_ratio_guard_reports_every_step():
     xs = np.asarray(jax.random.randint(jax.random.key(1), (3, 2, 8), 0, 11))
     _, guarded = _cadence_pipelines(max_update_ratio=10.0)

@@ -69,6 +69,7 @@ def _assert_same_step(part, fused, fused_out, plain, plain_out):
     assert any(jax.tree_util.tree_leaves(moved))
 
 
+@pytest.mark.slow
 def test_every_leaf_is_wrapped_and_composites_are_kept(stepped):
     part, _ = stepped
     wrapped = unfused(part)
@@ -96,6 +97,7 @@ def test_one_unfused_step_equals_the_fused_step(stepped):
     _assert_same_step(part, fused, fused_out, plain, plain_out)
 
 
+@pytest.mark.slow
 def test_one_unfused_step_equals_the_fused_step_with_scanned_blocks():
     config, part = _tiny_gpt(scan=True, optimiser=optax.sgd(0.1), n_blocks=1)
     _assert_same_step(part, *_one_step_each(config, part))

@@ -142,6 +142,7 @@ def test_mixing_backward_matches_vjp_for_each_of_q_k_v():
 
 
 @pytest.mark.parametrize("tiles", [2, pytest.param(4, marks=pytest.mark.gpu_parity), 3, 20])
+@pytest.mark.slow
 def test_causal_tiles_equal_the_whole_mixing_and_its_vjp(tiles):
     """Equal tiles (2, 4), uneven ones (3 over 8 rows: 2, 3, 3) and more tiles than rows (one
     per row)."""
@@ -167,6 +168,7 @@ def test_causal_tiles_equal_the_whole_mixing_and_its_vjp(tiles):
         assert_tree_allclose(g, rows(want), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_attention_part_in_causal_tiles_equals_one_tile():
     ref, seq = reference(), 8
     x, error = batch(1, (B, seq, D)), batch(2, (B, seq, D))
@@ -323,6 +325,7 @@ def _rows(a):
 
 
 @pytest.mark.parametrize("seq, heads, d", [(5, 2, 4), (64, 4, 8), (128, 2, 16), (128, 8, 4)])
+@pytest.mark.slow
 def test_dot_product_mixing_equals_tiles_and_its_backward_is_its_vjp(seq, heads, d):
     q, k, v = (jr.normal(jr.key(i), (B, heads, seq, d)) for i in range(3))
     d_context = jr.normal(jr.key(3), (B, heads, seq, d))
@@ -358,6 +361,7 @@ def _attention_at(seq: int, n_heads: int, fused: bool, width: int = 16):
 @pytest.mark.parametrize(
     "seq, n_heads, fused", [(5, 2, False), (64, 4, False), (64, 8, True), (128, 2, False)]
 )
+@pytest.mark.slow
 def test_part_with_dot_product_mixing_equals_tiles(seq, n_heads, fused):
     """Output, input error and every slot's error (through the learning slots' new weights:
     the delta rule's update is the slot's error times its input) equal the tiled mixing's, and
@@ -455,6 +459,7 @@ def test_dot_product_mixing_in_a_transformer_block_steps_like_tiles():
 
 
 @pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow
 def test_dot_product_mixing_in_a_gpt_steps_like_tiles(scan):
     """A GPT whose every slot learns (blocks unrolled, or scanned by a `Repeat`), its
     attentions switched to the dot-product mixing: two SGD steps give the default's logits,

@@ -62,6 +62,7 @@ def _layer_norm() -> eqx.nn.LayerNorm:
     ],
     ids=["linear", "layer_norm"],
 )
+@pytest.mark.slow
 def test_from_module_equals_the_twin_and_the_hand_derived_part(module, hand_derived):
     y, cache, error, input_error, _, metrics = _forward_backward(from_module(module), X)
     want_y, want_input_error = _twin(module, X, error)

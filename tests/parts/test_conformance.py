@@ -93,6 +93,7 @@ def _is_float(x) -> bool:
 
 
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.slow
 def test_output_shapes(name):
     ref = _reference(name)
     x, y = ref.x, ref.y
@@ -117,6 +118,7 @@ def test_output_shapes(name):
 
 
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.slow
 def test_jit_and_no_jit_agree(name):
     ref = _reference(name)
     core = ref.core
@@ -166,6 +168,7 @@ def _check_embedding_output_error(name: str, ref: Reference) -> None:
     pytest.param(name, marks=pytest.mark.gpu_parity) if name in GPU_PARITY_CASES else name
     for name in CASES
 ])
+@pytest.mark.slow
 def test_backward_matches_vjp(name):
     ref = _reference(name)
     if not _is_float(ref.x):
@@ -184,6 +187,7 @@ def test_backward_matches_vjp(name):
 
 
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.slow
 def test_pipeline_step_keeps_state_and_does_not_retrace(name):
     ref = _reference(name)
     pipeline = fusedpc.FusedPipeline(ref.part)

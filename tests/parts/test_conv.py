@@ -97,6 +97,7 @@ def test_conv2d_from_eqx_is_the_module_channels_last():
 
 
 @pytest.mark.parametrize(("window", "stride"), [(2, None), ((3, 2), (2, 1))])
+@pytest.mark.slow
 def test_pools_match_reduce_window_and_their_vjp(window, stride):
     x = normal(6, (2, 7, 7, 3))  # odd sizes: the last row and column are in no 2x2 window
     pair = (window, window) if isinstance(window, int) else window
@@ -130,6 +131,7 @@ def test_pools_match_reduce_window_and_their_vjp(window, stride):
             assert float(fusedpc.check_backward(part, x)) <= 1e-6
 
 
+@pytest.mark.slow
 def test_max_pool_ties_go_to_the_first_maximum():
     x = jnp.zeros((1, 4, 4, 2), jnp.float32).at[0, 3, 3, 1].set(1.0)  # one window with a winner
     part = conv.max_pool(2)
@@ -398,6 +400,7 @@ def test_vgg_trains_fused_and_follows_the_backprop_loss_curve():
     _assert_vgg_parity(vgg_parity(), fall=0.3)
 
 
+@pytest.mark.slow
 def test_vgg_parity_at_xla_default_optimisation_level():
     # A fresh process without the suite's level-0 flag (tests/conftest.py): XLA's fusions
     # there reorder the float32 arithmetic of both the fused step and the twin.

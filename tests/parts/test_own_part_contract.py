@@ -110,6 +110,7 @@ def _twin_loss(params, x, target):
     return 0.5 * jnp.mean(jnp.sum((y - target) ** 2, axis=-1))
 
 
+@pytest.mark.slow
 def test_global_clipping_matches_the_optax_chain_twin():
     bound, rate = 0.05, 1e-2
     tree = _tree(optax.adam(rate))

@@ -91,6 +91,7 @@ def trained(name: str) -> dict:
         ("attention", 1e-5),
     ],
 )
+@pytest.mark.slow
 def test_scanned_equals_unrolled_and_a_plain_chain(name, atol):
     runs = trained(name)
     _, scan_steps, scan_pipe = runs["scan"]
@@ -259,6 +260,7 @@ def _unrolled_gpt_run(monkeypatch, stacked: bool, optimiser):
     return outputs, pipe.state, pipe.report(), len(calls)
 
 
+@pytest.mark.slow
 def test_an_unrolled_repeat_steps_its_blocks_optimisers_over_the_stack(monkeypatch):
     # SGD, as test_scanned_gpt_equals_unrolled: the two forms are two compiled programs, which
     # XLA fuses differently (float32 rounding apart, as a scanned and an unrolled Repeat)
@@ -275,6 +277,7 @@ def test_an_unrolled_repeat_steps_its_blocks_optimisers_over_the_stack(monkeypat
                                    rtol=1e-5)  # norms of float32 values, as scanned/unrolled
 
 
+@pytest.mark.slow
 def test_stacked_adam_steps_put_every_blocks_state_in_its_row(monkeypatch):
     adam = optax.adam(1e-2)
     _, state_s, _, calls_s = _unrolled_gpt_run(monkeypatch, True, adam)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import (
     DeltaLinear,
     assert_tree_allclose,
@@ -144,6 +145,7 @@ def _run_docs_example(name: str) -> dict:
     return namespace
 
 
+@pytest.mark.slow
 def test_the_guide_examples_of_frozen_parts_and_of_calling_parts_run(capsys):
     # The three other ways of the guide's "Writing your own part", as printed there.
     def checked(line: str) -> float:  # the worst error printed as "BackwardCheck(6.2e-08: ..."

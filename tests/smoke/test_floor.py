@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import fusedpc
 from fusedpc import frozen
@@ -49,6 +50,7 @@ def test_import_and_version():
     assert callable(fusedpc.FusedPipeline)
 
 
+@pytest.mark.slow
 def test_steps_learn_and_run_equals_the_same_steps_bit_for_bit():
     xs, ys = _batches(4, same=True)  # one batch again and again: its loss must fall
     stepped = fusedpc.FusedPipeline(_tree())
@@ -105,6 +107,7 @@ def test_checkpoint_round_trip_is_bit_identical(tmp_path):
     assert manifest["jax_version"] == jax.__version__
 
 
+@pytest.mark.slow
 def test_gpt_steps_and_resume_from_a_checkpoint(tmp_path):
     config = fusedpc.GPTConfig(vocab_size=11, width=16, n_heads=2, n_blocks=2, ff_width=32,
                                max_len=8)
@@ -156,6 +159,7 @@ print(json.dumps({"devices": jax.device_count(), "close": bool(jax.tree_util.tre
 """
 
 
+@pytest.mark.slow
 def test_data_parallel_step_on_two_emulated_cpu_devices():
     env_python = [sys.executable, "-c", _SHARDED]
     result = subprocess.run(env_python, capture_output=True, text=True, timeout=300, check=False,

@@ -54,6 +54,7 @@ def _probe(mode: str, env: dict | None = None) -> dict:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+@pytest.mark.slow
 def test_reuse_host_memory_settings_change_no_result():
     # started with the settings in its environment, as fusedpc bench starts its workers.
     # Their effect on page faults and step time is a benchmark figure (scripts/bench.py
@@ -66,6 +67,7 @@ def test_reuse_host_memory_settings_change_no_result():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+@pytest.mark.slow
 def test_reuse_in_a_running_process_and_auto_only_for_large_steps():
     reused = _probe("reuse")  # applied at run time (threads started before keep their arenas)
     assert reused["applied"] and reused["again"] and reused["reused"]

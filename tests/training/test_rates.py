@@ -48,6 +48,7 @@ def _params(pipeline):
 
 
 # ------------------------------------------------------------------ the multiplier itself
+@pytest.mark.slow
 def test_multiplier_one_leaves_every_update_bit_for_bit():
     xs, ys = _batches(6)
     plain = _pipeline(make_optimiser("adam", 3e-3))
@@ -59,6 +60,7 @@ def test_multiplier_one_leaves_every_update_bit_for_bit():
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
+@pytest.mark.slow
 def test_a_multiplier_is_the_optimiser_at_that_multiple_of_its_rate(name):
     xs, ys = _batches(5)
     rate = 0.05 if name == "sgd" else 3e-3
@@ -97,6 +99,7 @@ def test_multipliers_read_and_set_by_slot_and_bad_input_is_refused_untouched():
         probe_rates(plain, *_batches(2))
 
 
+@pytest.mark.slow
 def test_changing_multipliers_does_not_retrace_and_a_checkpoint_keeps_them(tmp_path):
     xs, ys = _batches(4)
     pipeline = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
@@ -147,6 +150,7 @@ def test_a_change_counts_only_when_lower_beyond_the_step_by_step_noise():
     assert lower_by_more_than_noise(reference, None, 2.0)  # against a failed one, anything
 
 
+@pytest.mark.slow
 def test_probes_leave_the_pipeline_exactly_as_they_found_it():
     xs, ys = _batches(12)
     pipeline = _pipeline(with_rate_multiplier(make_optimiser("adam", 3e-3)))
@@ -177,6 +181,7 @@ def test_probes_leave_the_pipeline_exactly_as_they_found_it():
         probe_rates(pipeline, xs, ys, factors=(1.0, 2.0))
 
 
+@pytest.mark.slow
 def test_trials_are_scored_on_held_out_batches_when_given():
     xs, ys = _batches(8)
     held_x, held_y = _batches(3, seed=5)
@@ -216,6 +221,7 @@ def _distance_to(best):
     (8.0, 4.0, 3e-3, 4.0, 8.0),  # the reach stops it at x4; each group's own x2 then wins
     (0.25, 32.0, 1.0, 0.25, 0.25),  # downwards alike, from a rate far too high to learn at
 ])
+@pytest.mark.slow
 def test_the_global_ladder_climbs_while_each_rung_beats_the_last(best, reach, rate, top,
                                                                  final):
     # The global stage finds x2 (or x0.5), climbs x4, x8, ... while each rung beats the one
@@ -262,6 +268,7 @@ def test_a_lower_rate_counts_only_when_it_also_learns_more():
     assert up.changed == {"attention": 8.0, "head": 8.0}
 
 
+@pytest.mark.slow
 def test_probing_brings_a_mis_scaled_part_down_and_ends_with_a_lower_loss():
     # The head at 100 times the others' rate: three rounds of probes, each from where the
     # run is, bring it down towards the others; the run ends lower than the uncalibrated one.
@@ -315,6 +322,7 @@ def _weights(state):
     return state.table if isinstance(state, fusedpc.EmbeddingState) else state.params
 
 
+@pytest.mark.slow
 def test_a_bare_multiplier_runs_the_synaptic_rule_at_the_multiplied_rate():
     from fusedpc.training import scale_by_rate_multiplier
 

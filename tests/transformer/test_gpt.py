@@ -50,6 +50,7 @@ def test_all_frozen_gpt_reproduces_reference_logits(key):
 @pytest.mark.gpu_parity
 @pytest.mark.parametrize("fused_qkv", [False, True])
 @pytest.mark.parametrize("head_kind", ["gaussian", "categorical"])
+@pytest.mark.slow
 def test_every_weight_learning_one_sgd_step_equals_backprop(key, fused_qkv, head_kind):
     config = fusedpc.GPTConfig(**TINY, learn="all", fused_qkv=fused_qkv, head_kind=head_kind)
     optimiser = optax.sgd(0.5)
@@ -84,6 +85,7 @@ def test_every_weight_learning_one_sgd_step_equals_backprop(key, fused_qkv, head
 
 
 @pytest.mark.gpu_parity
+@pytest.mark.slow
 def test_input_error_is_per_row_gradient_of_the_summed_loss(key):
     config = fusedpc.GPTConfig(**TINY, learn="all")
     part, reference = fusedpc.build_gpt(config, optax.sgd(0.0), key)
@@ -106,6 +108,7 @@ def test_input_error_is_per_row_gradient_of_the_summed_loss(key):
 
 @pytest.mark.gpu_parity
 @pytest.mark.parametrize("learn_norms", [True, False])
+@pytest.mark.slow
 def test_hundred_sgd_steps_follow_the_backprop_loss_curve(key, learn_norms):
     vocab, xs, ys = _char_batches(100, 4, 16)
     slots = ("token", "position", "attention", "feed_forward", "head")
@@ -132,6 +135,7 @@ def test_hundred_sgd_steps_follow_the_backprop_loss_curve(key, learn_norms):
     assert np.max(np.abs(fused_losses - twin_losses)) <= 1e-3
 
 
+@pytest.mark.slow
 def test_scanned_gpt_equals_unrolled(key):
     ids = _ids(jax.random.key(1), (3, 8), TINY["vocab_size"])
     targets = _ids(jax.random.key(2), (3, 8), TINY["vocab_size"])
@@ -189,6 +193,7 @@ def _step_equations(n_blocks, scan=True):
     return len(jaxpr.jaxpr.eqns)
 
 
+@pytest.mark.slow
 def test_step_trace_does_not_grow_with_blocks():
     one, eight, sixteen = _step_equations(1), _step_equations(8), _step_equations(16)
     assert sixteen == one
@@ -199,6 +204,7 @@ def test_step_trace_does_not_grow_with_blocks():
     assert _step_equations(4, scan=False) > _step_equations(1, scan=False)
 
 
+@pytest.mark.slow
 def test_hybrid_with_feed_forward_and_head_learning_lowers_the_loss(key):
     vocab, xs, ys = _char_batches(60, 8, 16, seed=3)
     config = fusedpc.GPTConfig(
@@ -213,6 +219,7 @@ def test_hybrid_with_feed_forward_and_head_learning_lowers_the_loss(key):
     assert learning_parts == {"blocks[0].feed_forward", "head"}
 
 
+@pytest.mark.slow
 def test_report_names_every_learning_slot_in_forward_order(key):
     config = fusedpc.GPTConfig(**TINY, learn="all")
     part, _ = fusedpc.build_gpt(config, optax.adam(1e-3), key)
@@ -276,6 +283,7 @@ def test_config_errors_name_the_setting():
         fusedpc.GPTConfig(**TINY, learn=("head", "wings")).validate()
 
 
+@pytest.mark.slow
 def test_slot_optimisers_give_a_slot_its_own_rate(key):
     config = fusedpc.GPTConfig(**TINY, learn="all")
     part, reference = fusedpc.build_gpt(

@@ -97,6 +97,7 @@ def test_attributes_and_shapes():
     assert _forward(model, _ids(1, MAX_LEN)).shape == (1, MAX_LEN, V)
 
 
+@pytest.mark.slow
 def test_matches_per_position_reference():
     model = _randomise_layer_norms(_model(1), jr.key(7))
     ids = _ids(B, T, seed=1)

@@ -157,6 +157,7 @@ def test_all_frozen_gpt_reproduces_the_reference_logits(option):
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.slow
 def test_every_weight_learning_one_sgd_step_equals_backprop(option):
     figures, pipeline = sgd_parity(OPTIONS[option])
     assert figures["sgd"] <= 1e-5, figures  # float32 rounding (DESIGN.md's parity bound)
@@ -178,6 +179,7 @@ def test_every_weight_learning_one_sgd_step_equals_backprop(option):
     assert all(row["finite"] and row["update_norm"] > 0 for row in rows)
 
 
+@pytest.mark.slow
 def test_every_weight_learning_adam_steps_equal_backprop():
     # The three options at once (each alone: the SGD step above). Adam's steps are about its
     # rate whatever the gradient, so float32 storage puts even float32 backprop ~7e-6 from
@@ -190,6 +192,7 @@ def test_every_weight_learning_adam_steps_equal_backprop():
         assert to_float32 <= 1e-5 or to_float64 <= 2.0 * float32_to_float64, (path, figures)
 
 
+@pytest.mark.slow
 def test_parity_at_xla_default_optimisation_level():
     # A fresh process without the suite's level-0 flag: XLA's fusions reorder the float32
     # sums; the three options at once, one SGD step.
@@ -273,6 +276,7 @@ def _frozen_cases() -> dict[str, fusedpc.AbstractPart]:
     }
 
 
+@pytest.mark.slow
 def test_frozen_backwards_equal_the_vjp_of_their_forwards():
     x = normal(10, (2, 4, 8))
     for name, part in _frozen_cases().items():
@@ -325,6 +329,7 @@ def test_rotary_scores_depend_on_the_offset_only():
     np.testing.assert_allclose(back, jnp.tile(q, (1, 6, 1)), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_gated_feed_forward_learns_in_each_slot_and_exports_in_order():
     gate, up, down = _linears([(8, 12), (8, 12), (12, 8)], 4)
     part = transplant.from_swiglu(gate, up, down, optimiser=optax.sgd(0.1))

@@ -56,6 +56,7 @@ def _worst_change_difference(a, b, before) -> float:
     return worst
 
 
+@pytest.mark.slow
 def test_one_bf16_step_equals_the_bf16_twin_within_bf16_rounding():
     fused16, twin16, before = _one_sgd_step("bfloat16")
     _, twin32, _ = _one_sgd_step(None)
@@ -70,6 +71,7 @@ def test_one_bf16_step_equals_the_bf16_twin_within_bf16_rounding():
     assert all(leaf.dtype == jnp.float32 for _, leaf in _leaves(fused16))
 
 
+@pytest.mark.slow
 def test_bf16_runs_the_products_in_bf16_and_keeps_the_state_float32():
     config = fusedpc.GPTConfig(**TINY, learn="all")
     part, _ = fusedpc.build_gpt(config, optax.adam(1e-3), jax.random.key(0))
@@ -90,6 +92,7 @@ def test_bf16_runs_the_products_in_bf16_and_keeps_the_state_float32():
     assert "preferred_element_type" in texts["bfloat16"] or "dot_general" in texts["bfloat16"]
 
 
+@pytest.mark.slow
 def test_the_config_option_and_the_pipeline_option_are_one_program():
     ids = jax.random.randint(jax.random.key(1), (2, 8), 0, 11)
     results = []
@@ -108,6 +111,7 @@ def test_the_config_option_and_the_pipeline_option_are_one_program():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_bf16_loss_curve_follows_the_float32_curve():
     text = data.load_text()[:4000]
     tokenizer = data.CharTokenizer.from_text(text)

@@ -90,6 +90,7 @@ def _equations(part: fusedpc.GPTPart) -> int:
 
 
 @pytest.mark.parametrize("way", sorted(BUILDERS))
+@pytest.mark.slow
 def test_sixteen_blocks_built_each_documented_way_are_scanned(way):
     build = BUILDERS[way]
     with warnings.catch_warnings():
@@ -101,6 +102,7 @@ def test_sixteen_blocks_built_each_documented_way_are_scanned(way):
     assert _equations(deep) == _equations(shallow)
 
 
+@pytest.mark.slow
 def test_the_equation_count_sees_depth():
     # the same blocks as a chain do grow with depth: the count above can fail
     gpt5, gpt6 = _gpt(5), _gpt(6)
@@ -110,6 +112,7 @@ def test_the_equation_count_sees_depth():
     assert _equations(chain6) > _equations(chain5)
 
 
+@pytest.mark.slow
 def test_optimisers_made_per_block_train_as_one_shared_optimiser():
     ids = np.asarray(jax.random.randint(jax.random.key(3), (3, 2, SIZES["seq"]), 0, 11))
     adam = optax.adam(1e-3)

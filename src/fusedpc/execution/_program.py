@@ -155,25 +155,12 @@ class StepProgram:
         # with it and dropped with it
         self.derived: dict[str, Any] = {}
 
-    @property
-    def nonfinite(self) -> str:
-        return self.settings.nonfinite
-
-    @property
-    def max_update_ratio(self) -> float | None:
-        return self.settings.max_update_ratio
-
-    @property
-    def loss_spike(self) -> float | None:
-        return self.settings.loss_spike
-
-    @property
-    def clip_global_norm(self) -> float | None:
-        return self.settings.clip_global_norm
-
-    @property
-    def compute_dtype(self) -> str | None:
-        return self.settings.compute_dtype
+    # the settings one by one, read-only
+    nonfinite = property(lambda self: self.settings.nonfinite)
+    max_update_ratio = property(lambda self: self.settings.max_update_ratio)
+    loss_spike = property(lambda self: self.settings.loss_spike)
+    clip_global_norm = property(lambda self: self.settings.clip_global_norm)
+    compute_dtype = property(lambda self: self.settings.compute_dtype)
 
     def __repr__(self) -> str:
         guards = "".join(

@@ -207,6 +207,7 @@ print(json.dumps({"weights": worst, "input_error": norm_rel_error(dx, ref_dx)}))
 """
 
 
+@pytest.mark.slow
 def test_z_il_parity_at_xla_default_optimisation_level():
     # A fresh process without the suite's level-0 flag (XLA's fusions reorder float32 sums).
     here = str(Path(__file__).parent)
@@ -217,6 +218,7 @@ def test_z_il_parity_at_xla_default_optimisation_level():
 
 
 # --------------------------------------------------------------------------- fixed prediction
+@pytest.mark.slow
 def test_fixed_prediction_converges_to_backprop_as_steps_grow():
     """Predictions held at their feed-forward values: the relaxed errors approach the backprop
     deltas geometrically, (1 - rate)^T at unit precision, so the weight gradient's distance
@@ -248,6 +250,7 @@ def test_fixed_prediction_converges_to_backprop_as_steps_grow():
 # --------------------------------------------------------------------------- the energy
 @pytest.mark.gpu_parity
 @pytest.mark.parametrize("activation", ["tanh", "gelu"])
+@pytest.mark.slow
 def test_local_updates_follow_jax_grad_of_the_energy(activation):
     """Simultaneous relaxation with moving predictions, hidden and output precisions not 1:
     the energy trajectory, the weight gradient at the relaxed state and the relaxed input
@@ -400,6 +403,7 @@ def _gpt_batches(n_steps: int):
 
 
 @pytest.mark.parametrize("scan", ["auto", True])
+@pytest.mark.slow
 def test_gpt_feed_forwards_z_il_every_weight_learning_equals_backprop(scan):
     """`build_gpt(learning_kind="iterative")`: every block's feed-forward is an
     `IterativeNetwork` (the blocks still stack into a `Repeat`, scanned or not), every other
@@ -510,6 +514,7 @@ def test_gpt_iterative_settings_are_checked():
         fusedpc.build_gpt(config, optax.adam(1e-2), jax.random.key(3))
 
 
+@pytest.mark.slow
 def test_a_padded_step_is_the_step_on_the_real_rows():
     """A row mask scales the real rows' errors by R / (real rows) so that row means are over
     the real rows (the executor's rule). The relaxation, not linear in the error with moving

@@ -613,6 +613,7 @@ def two_moons(rng, n):
     return points.astype(np.float32), labels.astype(np.int32)
 
 
+@pytest.mark.slow
 def test_learns_two_moons_classification():
     """Two interleaved half-moons, categorical head, cross-entropy, Adam: held-out accuracy
     >= 0.95 (a linear classifier of the same data gets about 0.90; this net about 0.999)."""

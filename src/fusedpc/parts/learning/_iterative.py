@@ -62,11 +62,10 @@ from fusedpc.core._part import AbstractPart, Core, LinearParams, PyTree, replace
 from fusedpc.parts.learning._learning import (
     LearningNetworkState,
     network_params,
-    network_records,
     prediction_sweep,
 )
 from fusedpc.parts.learning._local_update import resolve_learning
-from fusedpc.parts.learning._network import PCNetwork
+from fusedpc.parts.learning._network import PCNetwork, network_records
 from fusedpc.parts.learning._relaxation import Relaxation
 from fusedpc.parts.learning._relaxation import RelaxationMetrics as RelaxationMetrics
 

@@ -8,6 +8,8 @@ $\\bar G_\\beta = \\mathrm{mean}_r\\, E_r$; its input error is the frozen LayerN
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -54,23 +56,64 @@ def norm_affine_step(
     return ctx.optimiser_step(optimiser, params, gradients, opt_state)
 
 
-class LayerNormState(eqx.Module):
-    """`params` ($\\gamma$ `weight`, $\\beta$ `bias`, each `(D,)`) and the optax `opt_state`."""
+def set_affine_norm(part: Any, owner: str, weight: jax.Array, bias: jax.Array | None,
+                    eps: float, optimiser: Any, opt_state: Any) -> None:
+    """A norm-with-affine part's fields, set in its `__init__` (the optimiser checked)."""
+    resolve_learning(owner, optimiser, "precision_weighted", None, 1.0)
+    part.weight, part.bias, part.eps = weight, bias, float(eps)
+    part.optimiser, part.opt_state = optimiser, opt_state
 
-    params: LayerNormParams
-    opt_state: PyTree
+
+def affine_norm_state(part: Any, params_type: type, state_type: type) -> Any:
+    """The state of a norm whose affine learns (`LearningLayerNorm`, `LearningRMSNorm`): its
+    affine as `params_type(weight, bias)` and its optimiser's state (drawn when not given)."""
+    params = params_type(part.weight, part.bias)
+    opt_state = part.opt_state
+    if opt_state is None and part.optimiser is not None:
+        opt_state = part.optimiser.init(params)
+    return state_type(params, opt_state)
 
 
-class LearningLayerNorm(AbstractPart):
-    """A LayerNorm over the last axis whose affine $(\\gamma, \\beta)$ learns locally.
+def affine_norm_core(part: Any, path: str, normalise: Callable[..., Any],
+                     input_error_of: Callable[..., Any], state_type: type) -> Core:
+    """The core of a norm whose affine learns: `normalise(params, x, eps, dtype)` forward,
+    `input_error_of(weight, cache, error, dtype)` for the input error (the frozen norm's),
+    and the affine's local step (`norm_affine_step`)."""
+    width, eps = part.weight.shape[0], part.eps
 
-    With `optimiser=None` it behaves as a frozen LayerNorm.
-    """
+    def forward(state, x, ctx: StepContext):
+        expect_last_axis(path, x, width)
+        return normalise(state.params, x, eps, ctx.compute_dtype)
+
+    def backward(state, cache, error, ctx: StepContext):
+        input_error = input_error_of(state.params.weight, cache, error, ctx.compute_dtype)
+        params, opt_state = norm_affine_step(
+            part.optimiser, state.params, state.opt_state, error, cache.n_hat, ctx
+        )
+        metrics = ctx.learning_metrics(state.params, params, error, input_error, (width,))
+        return input_error, state_type(params, opt_state), metrics
+
+    def write_back(state):
+        return replace_fields(part, weight=state.params.weight, bias=state.params.bias,
+                              opt_state=state.opt_state)
+
+    return Core(forward, backward, write_back)
+
+
+class AffineNorm(AbstractPart):
+    """Base of the norms whose affine learns (`LearningLayerNorm`, `LearningRMSNorm`): the
+    export, the state and the core, from the subclass's record and state types and its
+    frozen formulas (`normalise(params, x, eps, dtype)`, `input_error_of(weight, cache,
+    error, dtype)`)."""
 
     defers_updates: ClassVar[bool] = True
+    params_type: ClassVar[type]
+    state_type: ClassVar[type]
+    normalise: ClassVar[Callable[..., Any]]
+    input_error_of: ClassVar[Callable[..., Any]]
 
     weight: jax.Array
-    bias: jax.Array
+    bias: jax.Array | None  # None: no shift (an RMSNorm's may have none)
     eps: float = eqx.field(static=True)
     optimiser: Any = eqx.field(static=True)
     opt_state: PyTree
@@ -78,65 +121,64 @@ class LearningLayerNorm(AbstractPart):
     def __init__(
         self,
         weight: jax.Array,
-        bias: jax.Array,
+        bias: jax.Array | None = None,
         optimiser: optax.GradientTransformation | None = None,
         *,
         eps: float = 1e-5,
         opt_state: PyTree = None,
     ):
-        weight = jnp.asarray(weight, jnp.float32)
-        bias = jnp.asarray(bias, jnp.float32)
-        if weight.ndim != 1 or bias.shape != weight.shape:
-            raise ValueError(
-                f"LearningLayerNorm: weight and bias must both have shape (D,), got "
-                f"{weight.shape} and {bias.shape}."
-            )
-        resolve_learning("LearningLayerNorm", optimiser, "precision_weighted", None, 1.0)
-        self.weight = weight
-        self.bias = bias
-        self.eps = float(eps)
-        self.optimiser = optimiser
-        self.opt_state = opt_state
+        weight, bias = self.checked(weight, bias)
+        set_affine_norm(self, type(self).__name__, weight, bias, eps, optimiser, opt_state)
 
-    def export_arrays(self, path: str = "") -> tuple[LayerNormParams]:
-        """`(LayerNormParams(weight, bias),)`, the affine $(\\gamma, \\beta)$."""
+    @staticmethod
+    @abc.abstractmethod
+    def checked(weight: jax.Array, bias: Any) -> tuple[jax.Array, jax.Array | None]:
+        """`(weight, bias)` as float32 arrays, checked (an error naming the part)."""
+
+    def export_arrays(self, path: str = "") -> tuple[Any, ...]:
+        """`(params_type(weight, bias),)`: the affine $(\\gamma, \\beta)$."""
         del path
-        return (LayerNormParams(self.weight, self.bias),)
+        return (self.params_type(self.weight, self.bias),)
 
-    def init_state(self, key: jax.Array) -> LayerNormState:
+    def init_state(self, key: jax.Array) -> Any:
         del key
-        params = LayerNormParams(self.weight, self.bias)
-        opt_state = self.opt_state
-        if opt_state is None and self.optimiser is not None:
-            opt_state = self.optimiser.init(params)
-        return LayerNormState(params, opt_state)
+        return affine_norm_state(self, self.params_type, self.state_type)
 
     def compile(self, path: str) -> Core:
-        width = self.weight.shape[0]
-        eps = self.eps
+        formulas = type(self)
+        return affine_norm_core(self, path, formulas.normalise, formulas.input_error_of,
+                                self.state_type)
 
-        def forward(state: LayerNormState, x, ctx):
-            expect_last_axis(path, x, width)
-            return layer_norm_forward(state.params, x, eps, ctx.compute_dtype)
 
-        def backward(state: LayerNormState, cache, error, ctx):
-            input_error = layer_norm_input_error(state.params.weight, cache, error,
-                                                 ctx.compute_dtype)
-            params, opt_state = norm_affine_step(
-                self.optimiser, state.params, state.opt_state, error, cache.n_hat, ctx
+class LayerNormState(eqx.Module):
+    """`params` ($\\gamma$ `weight`, $\\beta$ `bias`, each `(D,)`) and the optax `opt_state`."""
+
+    params: LayerNormParams
+    opt_state: PyTree
+
+
+class LearningLayerNorm(AffineNorm):
+    """A LayerNorm over the last axis whose affine $(\\gamma, \\beta)$ learns locally.
+
+    With `optimiser=None` it behaves as a frozen LayerNorm.
+    """
+
+    params_type: ClassVar[type] = LayerNormParams
+    state_type: ClassVar[type] = LayerNormState
+    normalise = staticmethod(layer_norm_forward)
+    input_error_of = staticmethod(layer_norm_input_error)
+
+    @staticmethod
+    def checked(weight: jax.Array, bias: Any) -> tuple[jax.Array, jax.Array]:
+        weight = jnp.asarray(weight, jnp.float32)
+        bias = None if bias is None else jnp.asarray(bias, jnp.float32)
+        if weight.ndim != 1 or bias is None or bias.shape != weight.shape:
+            raise ValueError(
+                f"LearningLayerNorm: weight and bias must both have shape (D,), got "
+                f"{weight.shape} and {None if bias is None else bias.shape}."
             )
-            metrics = ctx.learning_metrics(state.params, params, error, input_error, (width,))
-            return input_error, LayerNormState(params, opt_state), metrics
-
-        def write_back(state: LayerNormState) -> LearningLayerNorm:
-            return replace_fields(
-                self,
-                weight=state.params.weight,
-                bias=state.params.bias,
-                opt_state=state.opt_state,
-            )
-
-        return Core(forward, backward, write_back)
+        return weight, bias
 
 
-__all__ = ["LayerNormState", "LearningLayerNorm", "norm_affine_step"]
+__all__ = ["AffineNorm", "LayerNormState", "LearningLayerNorm", "affine_norm_core",
+           "affine_norm_state", "norm_affine_step", "set_affine_norm"]

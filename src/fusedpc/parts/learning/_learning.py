@@ -51,7 +51,8 @@ from fusedpc.parts.learning._local_update import (
     scaled_synaptic_gradient,
     synaptic_step,
 )
-from fusedpc.parts.learning._network import PCNetwork
+from fusedpc.parts.learning._network import PCNetwork, network_records
+from fusedpc.parts.learning._rules import LearningRule, learning_rule, rule_spelling
 
 
 class NetworkParams(eqx.Module):
@@ -118,19 +119,6 @@ def prediction_sweep(
     return sweep
 
 
-def network_records(owner: str, network: PCNetwork, path: str) -> tuple[LinearParams, ...]:
-    """The network's weights and biases as `LinearParams` records, input side first; a
-    `TypeError` naming `path` and the `owner` part type for a network whose weights are drawn
-    at `init_state`."""
-    if network.weights is None:
-        raise TypeError(
-            f"{path or '<root>'}: {owner} has no weights to export yet (they are "
-            "drawn when the state is initialised); export pipeline.merge() instead."
-        )
-    biases = cast(tuple[jax.Array | None, ...], network.biases)  # set with the weights
-    return tuple(LinearParams(w, b) for w, b in zip(network.weights, biases))
-
-
 def network_params(network: PCNetwork, key: jax.Array) -> NetworkParams:
     """The network's weights and biases, drawn from `key` when it has none."""
     if network.weights is None:
@@ -162,11 +150,11 @@ class LearningNetwork(AbstractPart):
         network: the `PCNetwork` (architecture, weights, precisions).
         optimiser: any optax transformation, fed the row-mean descent gradient; `None` freezes
             the weights (beliefs and precisions still run).
-        learning_kind: `"precision_weighted"` (default; the backprop gradient),
-            `"standard"` (confidence-scaled steps) or `"synaptic_uncertainty"` (per-weight
-            beliefs; needs `learning_kwargs={"window": N, ...}` and no optimiser).
-        learning_kwargs: synaptic settings `window` (required, >= 1), `prior_variance` (1.0),
-            `prior_mean` (0.0), `learning_rate` (1.0), `increment_scale` (1.0).
+        learning_kind: the rule (`fusedpc.parts.learning`): `PrecisionWeighted()` (default;
+            the backprop gradient), `Standard()` (confidence-scaled steps) or
+            `SynapticUncertainty(window=N, ...)` (per-weight beliefs, no optimiser); or its
+            name with `learning_kwargs` (the CLI's and the file's spelling; `part.rule`).
+        learning_kwargs: with a name: `SynapticUncertainty`'s fields (`window` required).
         update_precisions: False (default; precisions fixed, the parity setting) or True:
             each hidden layer's precision gains its batch-mean evidence
             $\\mathrm{mean}_r(\\pi^+_l - \\pi_l)$ and then leaks,
@@ -194,7 +182,7 @@ class LearningNetwork(AbstractPart):
         self,
         network: PCNetwork,
         optimiser: optax.GradientTransformation | None = None,
-        learning_kind: str = "precision_weighted",
+        learning_kind: str | LearningRule = "precision_weighted",
         learning_kwargs: dict | None = None,
         *,
         update_precisions: bool = False,
@@ -208,6 +196,8 @@ class LearningNetwork(AbstractPart):
             raise TypeError(
                 f"LearningNetwork: network must be a PCNetwork, got {type(network).__name__}."
             )
+        learning_kind, learning_kwargs = rule_spelling("LearningNetwork", learning_kind,
+                                                       learning_kwargs)
         # Validated once, here (the errors name the bad setting); compile reads the result.
         self.synaptic = resolve_learning(
             "LearningNetwork", optimiser, learning_kind, learning_kwargs, weight_reuse
@@ -224,6 +214,12 @@ class LearningNetwork(AbstractPart):
         self.weight_reuse = float(weight_reuse)
         self.opt_state = opt_state
         self.weight_precision = weight_precision
+
+    @property
+    def rule(self) -> LearningRule:
+        """The learning rule as a typed object (`PrecisionWeighted()`, `Standard()`,
+        `SynapticUncertainty(...)`)."""
+        return learning_rule(self.learning_kind, dict(self.learning_kwargs))
 
     def export_arrays(self, path: str = "") -> tuple[LinearParams, ...]:
         """One `LinearParams(weights[l], biases[l])` per matrix, input side first (the
@@ -489,6 +485,5 @@ __all__ = [
     "NetworkCache",
     "NetworkParams",
     "network_params",
-    "network_records",
     "prediction_sweep",
 ]

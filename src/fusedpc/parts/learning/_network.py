@@ -25,6 +25,7 @@ import numpy as np
 from jax import Array
 from jaxtyping import Float
 
+from fusedpc.core._part import LinearParams
 from fusedpc.parts._activations import ACTIVATIONS, Activation, get_activation
 
 HEADS = ("gaussian", "categorical", "binary")
@@ -243,6 +244,20 @@ class PCNetwork(eqx.Module):
             if l < self.n_matrices - 1:
                 a = self.layer_activation(l + 1).value(z)
         return self.apply_head(z)
+
+
+def network_records(owner: str, network: PCNetwork, path: str) -> tuple[LinearParams, ...]:
+    """The network's weights and biases as `LinearParams` records, input side first; a
+    `TypeError` naming `path` and the `owner` part type for a network whose weights are drawn
+    at `init_state`."""
+    if network.weights is None:
+        raise TypeError(
+            f"{path or '<root>'}: {owner} has no weights to export yet (they are "
+            "drawn when the state is initialised); export pipeline.merge() instead."
+        )
+    biases = cast(tuple[jax.Array | None, ...], network.biases)  # set with the weights
+    return tuple(LinearParams(w, b) for w, b in zip(network.weights, biases))
+
 
 
 __all__ = ["ACTIVATIONS", "HEADS", "PCNetwork", "initialise_matrix"]
