@@ -110,6 +110,16 @@ def scan_steps(
     return jax.lax.scan(body, carry, batches)
 
 
+def _setting(name: str) -> Any:
+    """A read-only property of a `StepProgram`: `program.settings.<name>`."""
+
+    def read(program: StepProgram) -> Any:
+        return getattr(program.settings, name)
+
+    read.__name__ = name
+    return property(read, doc=f"`settings.{name}`")
+
+
 class StepProgram:
     """The training step of one part tree as pure functions over an explicit `StepCarry`.
 
@@ -156,11 +166,11 @@ class StepProgram:
         self.derived: dict[str, Any] = {}
 
     # the settings one by one, read-only
-    nonfinite = property(lambda self: self.settings.nonfinite)
-    max_update_ratio = property(lambda self: self.settings.max_update_ratio)
-    loss_spike = property(lambda self: self.settings.loss_spike)
-    clip_global_norm = property(lambda self: self.settings.clip_global_norm)
-    compute_dtype = property(lambda self: self.settings.compute_dtype)
+    nonfinite = _setting("nonfinite")
+    max_update_ratio = _setting("max_update_ratio")
+    loss_spike = _setting("loss_spike")
+    clip_global_norm = _setting("clip_global_norm")
+    compute_dtype = _setting("compute_dtype")
 
     def __repr__(self) -> str:
         guards = "".join(

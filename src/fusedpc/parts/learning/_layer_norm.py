@@ -103,14 +103,14 @@ def affine_norm_core(part: Any, path: str, normalise: Callable[..., Any],
 class AffineNorm(AbstractPart):
     """Base of the norms whose affine learns (`LearningLayerNorm`, `LearningRMSNorm`): the
     export, the state and the core, from the subclass's record and state types and its
-    frozen formulas (`normalise(params, x, eps, dtype)`, `input_error_of(weight, cache,
+    frozen formulas (`_normalise(params, x, eps, dtype)`, `_input_error_of(weight, cache,
     error, dtype)`)."""
 
     defers_updates: ClassVar[bool] = True
     params_type: ClassVar[type]
     state_type: ClassVar[type]
-    normalise: ClassVar[Callable[..., Any]]
-    input_error_of: ClassVar[Callable[..., Any]]
+    _normalise: ClassVar[Callable[..., Any]]
+    _input_error_of: ClassVar[Callable[..., Any]]
 
     weight: jax.Array
     bias: jax.Array | None  # None: no shift (an RMSNorm's may have none)
@@ -146,7 +146,7 @@ class AffineNorm(AbstractPart):
 
     def compile(self, path: str) -> Core:
         formulas = type(self)
-        return affine_norm_core(self, path, formulas.normalise, formulas.input_error_of,
+        return affine_norm_core(self, path, formulas._normalise, formulas._input_error_of,
                                 self.state_type)
 
 
@@ -165,8 +165,8 @@ class LearningLayerNorm(AffineNorm):
 
     params_type: ClassVar[type] = LayerNormParams
     state_type: ClassVar[type] = LayerNormState
-    normalise = staticmethod(layer_norm_forward)
-    input_error_of = staticmethod(layer_norm_input_error)
+    _normalise = staticmethod(layer_norm_forward)
+    _input_error_of = staticmethod(layer_norm_input_error)
 
     @staticmethod
     def checked(weight: jax.Array, bias: Any) -> tuple[jax.Array, jax.Array]:

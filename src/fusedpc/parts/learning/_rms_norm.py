@@ -47,8 +47,8 @@ class LearningRMSNorm(AffineNorm):
 
     params_type: ClassVar[type] = RMSNormParams
     state_type: ClassVar[type] = RMSNormState
-    normalise = staticmethod(rms_norm_forward)
-    input_error_of = staticmethod(rms_norm_input_error)
+    _normalise = staticmethod(rms_norm_forward)
+    _input_error_of = staticmethod(rms_norm_input_error)
 
     @staticmethod
     def checked(weight: jax.Array, bias: Any) -> tuple[jax.Array, jax.Array | None]:
