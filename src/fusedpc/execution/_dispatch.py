@@ -79,6 +79,25 @@ class Traced:
         return cls(list(leaves), *static)
 
 
+@jax.tree_util.register_pytree_node_class
+class WithOutputShape:
+    """A step's metrics with the step's output shape as static data: what `run`'s scan body
+    hands out, so that the shape of one step's output survives `keep_outputs=False` (the
+    scan stacks `metrics`; the static data pass through unchanged)."""
+
+    __slots__ = ("metrics", "output")
+
+    def __init__(self, metrics: Any, output: jax.ShapeDtypeStruct):
+        self.metrics, self.output = metrics, output
+
+    def tree_flatten(self) -> tuple[tuple, jax.ShapeDtypeStruct]:
+        return (self.metrics,), self.output
+
+    @classmethod
+    def tree_unflatten(cls, output: jax.ShapeDtypeStruct, children: tuple) -> WithOutputShape:
+        return cls(children[0], output)
+
+
 def shape_of(output: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(output), jnp.result_type(output))
 

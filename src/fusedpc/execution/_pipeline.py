@@ -19,7 +19,14 @@ from fusedpc.core import losses as _losses
 from fusedpc.core._checks import check_part
 from fusedpc.core._part import PyTree
 from fusedpc.execution import _report, _sharding, _validation
-from fusedpc.execution._dispatch import Flat, Traced, collection_paused, report_flags, shape_of
+from fusedpc.execution._dispatch import (
+    Flat,
+    Traced,
+    WithOutputShape,
+    collection_paused,
+    report_flags,
+    shape_of,
+)
 from fusedpc.execution._program import (
     StepProgram,
     make_step,
@@ -196,14 +203,12 @@ class FusedPipeline(PipelineReadout):
 
     def _flat_run_program(self, leaves, xs, targets, masks=None, report_at=None,
                           keep_outputs=True):
-        carry = self._carry_flat.rebuild(leaves)
-        new_carry, out = self._run_program(carry, xs, targets, masks, report_at, keep_outputs)
-        if keep_outputs:  # one step's output: the stacked outputs without their K axis
-            output = jax.ShapeDtypeStruct(jnp.shape(out.output)[1:], out.output.dtype)
-        else:  # dropped: its shape from the forward alone (an abstract trace, no program)
-            first = jax.tree_util.tree_map(lambda a: a[0], xs)
-            output = shape_of(jax.eval_shape(self.program.predict, carry.state, first))
-        return self._flat_result(new_carry, out, output)
+        carry, out = self._run_program(
+            self._carry_flat.rebuild(leaves), xs, targets, masks, report_at, keep_outputs
+        )
+        shaped = out.metrics  # a WithOutputShape: one step's output shape, kept by the scan
+        out = StepOutput(out.output, out.input_error, shaped.metrics)
+        return self._flat_result(carry, out, shaped.output)
 
     def _flat_result(self, carry: StepCarry, out: StepOutput,
                      output: jax.ShapeDtypeStruct):
@@ -214,9 +219,15 @@ class FusedPipeline(PipelineReadout):
         return (jax.tree_util.tree_leaves(carry), out.output, out.input_error,
                 Traced(metrics_leaves, structure, output))
 
+    def _shaped_step(self, carry, x, target, mask=None, detailed=True):
+        """`program.step` with its output's shape carried in its metrics (`run`'s scan)."""
+        carry, out = self.program.step(carry, x, target, mask, detailed)
+        shaped = WithOutputShape(out.metrics, shape_of(out.output))
+        return carry, StepOutput(out.output, out.input_error, shaped)
+
     def _run_program(self, carry, xs, targets, masks=None, report_at=None, keep_outputs=True):
         result = scan_steps(
-            self.program.step, carry, xs, targets, keep_outputs, masks,
+            self._shaped_step, carry, xs, targets, keep_outputs, masks,
             self.program.report_flags(report_at),
         )
         self.trace_counts["run"] += 1

@@ -72,8 +72,6 @@ class Frozen(AbstractPart):
     params: PyTree
     in_width: int | None = eqx.field(static=True)
     name: str = eqx.field(static=True)
-    forward_takes_context: bool = eqx.field(static=True)
-    backward_takes_context: bool = eqx.field(static=True)
 
     defers_updates: ClassVar[bool] = True  # it has no optimiser step
 
@@ -100,8 +98,6 @@ class Frozen(AbstractPart):
             )
         self.forward_fn = forward
         self.backward_fn = backward
-        self.forward_takes_context = takes_context(forward)
-        self.backward_takes_context = takes_context(backward)
         self.params = params
         self.in_width = None if in_width is None else int(in_width)
         self.name = name or cast(str, getattr(forward, "__name__", "frozen"))
@@ -126,20 +122,18 @@ class Frozen(AbstractPart):
 
     def compile(self, path: str) -> Core:
         where = display_path(path)
+        forward_ctx, backward_ctx = takes_context(self.forward_fn), takes_context(self.backward_fn)
 
         def forward(state: FrozenState, x, ctx):
             if self.in_width is not None:
                 expect_last_axis(path, x, self.in_width)
-            if self.forward_takes_context:
-                return run_forward(where, self.name, x,
-                                   lambda: self.forward_fn(state.params, x, ctx))
-            return run_forward(where, self.name, x, lambda: self.forward_fn(state.params, x))
+            extra = (ctx,) if forward_ctx else ()
+            return run_forward(where, self.name, x,
+                               lambda: self.forward_fn(state.params, x, *extra))
 
         def backward(state: FrozenState, cache, error, ctx):
-            if self.backward_takes_context:
-                input_error = self.backward_fn(state.params, cache, error, ctx)
-            else:
-                input_error = self.backward_fn(state.params, cache, error)
+            extra = (ctx,) if backward_ctx else ()
+            input_error = self.backward_fn(state.params, cache, error, *extra)
             return input_error, state, FiniteFlag(finite=all_finite(input_error))
 
         def write_back(state: FrozenState) -> Frozen:

@@ -61,7 +61,7 @@ def test_the_embedding_takes_a_rule_too():
 def test_bad_rules_and_keywords_are_refused_by_name():
     with pytest.raises(ValueError, match="learning_kwargs given with a rule object"):
         LearningNetwork(_network(), None, SynapticUncertainty(window=8), {"window": 9})
-    with pytest.raises(ValueError, match=r"unknown 'nope'"):
+    with pytest.raises(ValueError, match=r"unknown learning_kind 'nope'"):
         learning_rule("nope")
     with pytest.raises(ValueError, match=r"unknown learning_kwargs \['windw'\]"):
         learning_rule("synaptic_uncertainty", {"windw": 8})
@@ -71,3 +71,5 @@ def test_bad_rules_and_keywords_are_refused_by_name():
         learning_rule("synaptic_uncertainty")
     with pytest.raises(ValueError, match="window'\\] must be >= 1"):
         LearningNetwork(_network(), None, SynapticUncertainty(window=0.5))
+    with pytest.raises(ValueError, match="'prior_variance'\\] must be > 0"):
+        learning_rule("synaptic_uncertainty", {"window": 8, "prior_variance": 0.0})

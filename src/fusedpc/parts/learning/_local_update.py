@@ -7,6 +7,7 @@ embedding and any future learning part accept exactly the same keywords.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -14,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-LEARNING_KINDS = ("precision_weighted", "standard", "synaptic_uncertainty")
+from fusedpc.parts.learning._rules import RULES, SynapticUncertainty
+
+LEARNING_KINDS = tuple(RULES)
+# the synaptic settings and their defaults, as the rule declares them (None: required)
 SYNAPTIC_DEFAULTS = {
-    "window": None,
-    "prior_variance": 1.0,
-    "prior_mean": 0.0,
-    "learning_rate": 1.0,
-    "increment_scale": 1.0,
+    f.name: None if f.default is dataclasses.MISSING else f.default
+    for f in dataclasses.fields(SynapticUncertainty)
 }
 
 

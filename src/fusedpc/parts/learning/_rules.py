@@ -73,23 +73,13 @@ RULES: dict[str, type] = {rule.kind: rule for rule in (PrecisionWeighted, Standa
 
 
 def learning_rule(kind: str, keywords: dict[str, Any] | None = None) -> LearningRule:
-    """The rule named `kind` with `keywords` (the CLI's and TOML's spelling), checked: an
-    unknown name or keyword is a `ValueError` naming it and what is allowed."""
-    if kind not in RULES:
-        raise ValueError(f"learning_kind: unknown {kind!r}; choose one of {tuple(RULES)}.")
-    cls = RULES[kind]
-    allowed = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(keywords or {}) - set(allowed))
-    if unknown:
-        if not allowed:
-            raise ValueError(
-                f"learning_kwargs apply only to learning_kind='synaptic_uncertainty', got "
-                f"{unknown} with learning_kind={kind!r}.")
-        raise ValueError(f"unknown learning_kwargs {unknown}; allowed: {sorted(allowed)}.")
-    if cls is SynapticUncertainty and (keywords or {}).get("window") is None:
-        raise ValueError("learning_kind='synaptic_uncertainty' needs learning_kwargs['window'] "
-                         "(the memory window in steps, >= 1).")
-    return cls(**(keywords or {}))
+    """The rule named `kind` with `keywords` (the CLI's and TOML's spelling), checked as a
+    part checks them (an unknown name or keyword, a missing `window`, a value out of range:
+    a `ValueError` naming it and what is allowed)."""
+    from fusedpc.parts.learning._local_update import resolve_learning  # it imports this one
+
+    resolve_learning("learning_rule", None, kind, keywords, 1.0)
+    return RULES[kind](**(keywords or {}))
 
 
 def rule_spelling(owner: str, learning_kind: Any,
