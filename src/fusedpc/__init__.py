@@ -20,6 +20,8 @@ from fusedpc.execution import CheckpointError as CheckpointError
 from fusedpc.execution import FusedPipeline as FusedPipeline
 from fusedpc.execution import InputRangeError as InputRangeError
 from fusedpc.execution import NonFiniteStepError as NonFiniteStepError
+from fusedpc.execution import Relaxation as Relaxation
+from fusedpc.execution import RelaxationReport as RelaxationReport
 from fusedpc.execution import SkipReason as SkipReason
 from fusedpc.execution import StepCarry as StepCarry
 from fusedpc.execution import StepMetrics as StepMetrics
@@ -45,6 +47,8 @@ from fusedpc.parts import FrozenState as FrozenState
 from fusedpc.parts import GatedFeedForward as GatedFeedForward
 from fusedpc.parts import GatedState as GatedState
 from fusedpc.parts import IterativeNetwork as IterativeNetwork
+from fusedpc.parts import Latent as Latent
+from fusedpc.parts import LatentState as LatentState
 from fusedpc.parts import LayerNormParams as LayerNormParams
 from fusedpc.parts import LayerNormState as LayerNormState
 from fusedpc.parts import LearningConv2d as LearningConv2d

@@ -58,6 +58,12 @@ class StepContext:
         gradients: the hook on every optimiser step's gradients (`GradientHook`), or None.
         deferred: a list that records optimiser steps instead of applying them
             (`DeferredUpdate`), or None. Belongs to the trace it was made in.
+        learning: whether the walk is a learning step (True) or a pullback that does not
+            learn (False): the whole-tree relaxation's sweeps ask every part only for the
+            error at its input, and discard the new states. `ctx.optimiser_step` then
+            returns the parameters and optimiser state unchanged; a part that learns
+            without it may skip its update or not (its new state is not read), and a
+            `fusedpc.Latent` hands back its latent's energy gradient instead.
     """
 
     compute_dtype: str | None = None
@@ -66,6 +72,7 @@ class StepContext:
     measured: Measured | None = None
     gradients: GradientHook | None = None
     deferred: list[DeferredUpdate] | None = None
+    learning: bool = True
 
     def replace(self, **changes: Any) -> StepContext:
         """A copy with some fields changed (`dataclasses.replace`)."""
@@ -116,7 +123,11 @@ class StepContext:
         """`(new_params, new_opt_state)`: the optax optimiser's step on the descent
         `gradients`, with what the step asks of them (global clipping) done first; inside
         a deferred-update sink the step is recorded and stand-ins come back, which the
-        sink's owner replaces (so put them only in the new state and the report)."""
+        sink's owner replaces (so put them only in the new state and the report). In a
+        pullback that does not learn (`learning=False`) nothing is stepped: `params` and
+        `opt_state` come back as they are."""
+        if not self.learning:
+            return params, opt_state
         return optimiser_step(optimiser, params, gradients, opt_state,
                               self.gradients, self.deferred)
 

@@ -26,4 +26,6 @@ from fusedpc.execution._step_types import MaskCheck as MaskCheck
 from fusedpc.execution._step_types import StepCarry as StepCarry
 from fusedpc.execution._step_types import StepMetrics as StepMetrics
 from fusedpc.execution._step_types import StepOutput as StepOutput
+from fusedpc.execution._tree_relaxation import Relaxation as Relaxation
+from fusedpc.execution._tree_relaxation import RelaxationReport as RelaxationReport
 from fusedpc.execution._unfused import UnfusedPipeline as UnfusedPipeline

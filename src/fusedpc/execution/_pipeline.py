@@ -92,6 +92,9 @@ class FusedPipeline(PipelineReadout):
             step always (an out-of-range id refuses the step, no host round trip) and on
             host arrays before the call. With True, device arrays are read back and checked
             before the call too (a device-to-host transfer per call), `predict`'s included.
+        relaxation: how a tree with `fusedpc.Latent` parts relaxes them on the tree's one
+            energy (`fusedpc.Relaxation`; `Relaxation()` for a tree with latents when None),
+            as for `fusedpc.make_step`; `report()` then ends with its `<relaxation>` row.
 
     Only the state is donated: after `step`, arrays previously read from `pipeline.state` are
     dead; the caller's batch and the part objects the pipeline was built from stay valid.
@@ -113,6 +116,7 @@ class FusedPipeline(PipelineReadout):
         mesh: jax.sharding.Mesh | None = None,
         state_sharding: _sharding.StateSharding | None = None,
         check_device_ids: bool = False,
+        relaxation: Any = None,
     ):
         check_part(tree, "FusedPipeline(tree)")
         self.tree = tree
@@ -120,7 +124,8 @@ class FusedPipeline(PipelineReadout):
             settings, nonfinite=nonfinite, max_update_ratio=max_update_ratio,
             loss_spike=loss_spike, clip_global_norm=clip_global_norm, compute_dtype=compute_dtype)
         self.program: StepProgram = make_step(tree, error_fn, error_normalisation,
-                                              settings=settings)
+                                              settings=settings, relaxation=relaxation)
+        self.relaxation = self.program.relaxation
         self.settings = settings
         self.compute_dtype = settings.compute_dtype
         self.max_update_ratio = settings.max_update_ratio

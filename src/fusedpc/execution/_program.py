@@ -37,11 +37,12 @@ from fusedpc.core._checks import IdRangeCheck, check_part, id_range_check
 from fusedpc.core._context import StepContext, row_mask_scale
 from fusedpc.core._gradients import GradientHook
 from fusedpc.core._measured import Measured, resolve_pending
-from fusedpc.core._metrics import metric_leaves, metrics_finite
+from fusedpc.core._metrics import metrics_finite
 from fusedpc.core._norms import all_finite, sums_finite, sums_finite_vector
 from fusedpc.core._part import AbstractPart, Core, PyTree
 from fusedpc.core._precision import widened
 from fusedpc.execution._rows import apply_row_mask, copy_tree, normalise_active
+from fusedpc.execution._scan import max_update_ratio, scan_steps
 from fusedpc.execution._step_settings import StepSettings
 from fusedpc.execution._step_types import (
     LOSS_MEAN_HORIZON,
@@ -55,59 +56,12 @@ from fusedpc.execution._step_types import (
     fresh_counters,
     mask_check,
 )
-
-
-def max_update_ratio(parts: PyTree) -> jax.Array:
-    """The largest update / weight norm ratio over every learning part (the report's
-    `update_ratio`); 0 without learning parts. A part with zero weights counts as infinite
-    when it moved and as 0 when it did not."""
-    ratios = [jnp.max(ratio) for m in metric_leaves(parts)
-              if (ratio := m.update_ratios()) is not None]
-    if not ratios:
-        return jnp.zeros((), jnp.float32)
-    return jnp.max(jnp.stack(ratios))
-
-
-def scan_steps(
-    step: Callable,
-    carry: Any,
-    xs: Any,
-    targets: Any,
-    keep_outputs: bool = True,
-    masks: Any = None,
-    report_at: Any = None,
-) -> tuple[Any, StepOutput]:
-    """K applications of `step(carry, x, target, mask, detailed) -> (carry, StepOutput)` in
-    one `lax.scan` over the leading axis of `xs`, `targets` (and `masks`); outputs and
-    metrics stacked over K. With `report_at` (K booleans) each step is traced twice, with
-    and without its report norms, and `lax.cond` runs the one that step asks for."""
-
-    def trim(out: StepOutput) -> StepOutput:
-        return out if keep_outputs else StepOutput(None, None, out.metrics)
-
-    def body(c, batch):
-        if report_at is None:
-            c, out = step(c, *batch)
-            return c, trim(out)
-        *batch, flag = batch
-        mask = batch[2] if len(batch) == 3 else None
-
-        def detailed(operands):
-            c_, b_ = operands
-            new, out = step(c_, b_[0], b_[1], mask, detailed=True)
-            return new, trim(out)
-
-        def light(operands):
-            c_, b_ = operands
-            new, out = step(c_, b_[0], b_[1], mask, detailed=False)
-            return new, trim(out)
-
-        return jax.lax.cond(flag, detailed, light, (c, tuple(batch[:2])))
-
-    batches: tuple = (xs, targets) if masks is None else (xs, targets, masks)
-    if report_at is not None:
-        batches = (*batches, jnp.asarray(report_at, bool))
-    return jax.lax.scan(body, carry, batches)
+from fusedpc.execution._tree_relaxation import (
+    Relaxation,
+    TreeRelaxation,
+    has_latents,
+    row_weight,
+)
 
 
 def _setting(name: str) -> Any:
@@ -147,6 +101,7 @@ class StepProgram:
         error_normalisation: str,
         settings: StepSettings | str | None = None,
         *legacy: Any,
+        relaxation: Relaxation | None = None,
     ):
         if isinstance(settings, str):  # release 0.3: nonfinite and four guards positionally
             warn_deprecated(
@@ -161,6 +116,9 @@ class StepProgram:
         self.error_fn = error_fn
         self.error_normalisation = error_normalisation
         self.settings = StepSettings() if settings is None else settings
+        self.relaxation = relaxation
+        self._tree = None if relaxation is None else TreeRelaxation(
+            core, relaxation, error_fn.error, error_fn.loss)
         # programs compiled from this one (`fusedpc.transformer.generate`'s samplers), kept
         # with it and dropped with it
         self.derived: dict[str, Any] = {}
@@ -246,21 +204,20 @@ class StepProgram:
         """
         state, counters = carry.state, carry.counters
         ctx = StepContext(compute_dtype=self.compute_dtype)
-        y, cache = self._forward(state, x, ctx)
+        y, top, cache, relaxed = self._forward_walks(state, x, target, ctx)
         checks = self.input_checks(x, target, int(jnp.shape(y)[-1]))
-        error, weights, checked_mask = self._output_error(y, target, mask)
+        error, weights, checked_mask = self._output_error(top, target, mask)
         detailed = bool(detailed) or self.max_update_ratio is not None
         measured = Measured()
         ctx = ctx.replace(detailed=detailed, measured=measured,
                           error_scale=None if weights is None else row_mask_scale(weights))
-        input_error, new_state, part_metrics = self._backward(state, cache, error, ctx)
+        walk_state = state if relaxed is None else self._tree.learning_state(
+            state, relaxed, None if weights is None else row_weight(weights))
+        input_error, new_state, part_metrics = self._backward(walk_state, cache, error, ctx)
         loss = self._loss(y, target, weights)
-        # One flag per state leaf (kept in the metrics to name a bad leaf), then one rule for
-        # all: the same flags name the part in reports. The state's sums of squares are taken
-        # with the parts' report norms (a part's new weights are state leaves: measured once),
-        # and so is the output error's (the last part's `error_norm`). Every norm is taken
-        # without overflow: entries of 1e20 have a finite norm, and a representable state
-        # passes (a float32 sum of squares overflows from entries of ~1.8e19).
+        # One flag per state leaf, then one rule for all (the same flags name the part in
+        # reports); the state's and the output error's sums of squares are taken with the
+        # parts' report norms, each without overflow (entries of 1e20 have a finite norm).
         state_slots = measured.add_each(new_state)
         error_slot = measured.add(error)
         norms = measured.norms()
@@ -275,6 +232,9 @@ class StepProgram:
         mask_ok = jnp.array(True) if checked_mask is None else checked_mask.ok
         code = self._skip_code(checks, mask_ok, finite, part_metrics, counters, loss)
         committed = code == 0
+        relaxation = None if relaxed is None else self._tree.report(
+            relaxed, part_metrics, top, target, new_state, self._backprop_twin(
+                state, relaxed, y, target, mask, ctx), state)
         new_state = jax.tree_util.tree_map(
             lambda n, o: jnp.where(committed, n, o), new_state, state
         )
@@ -288,9 +248,31 @@ class StepProgram:
             loss_mean=counters.loss_mean,
             reported=jnp.array(detailed),
             mask_check=checked_mask,
+            relaxation=relaxation,
         )
         counters = self._count(counters, code, loss)
         return StepCarry(new_state, counters), StepOutput(y, input_error, metrics)
+
+    def _forward_walks(self, state: PyTree, x: Any, target: Any, ctx: StepContext):
+        """The step's forward: `(output, top, cache, relaxed)`. Without latents the forward
+        walk (`top` is the output); with them the relaxation (`relaxed`), the feed-forward
+        readout as the output and the learning walk's forward (its output `top`)."""
+        if self._tree is None:
+            y, cache = self._forward(state, x, ctx)
+            return y, y, cache, None
+        relaxed = self._tree.relax(state, x, target, ctx)
+        top, cache = self._tree.learning_forward(state, x, relaxed, ctx)
+        return relaxed.output, top, cache, relaxed
+
+    def _backprop_twin(self, state: PyTree, relaxed: Any, y: Any, target: Any, mask: Any,
+                       ctx: StepContext) -> PyTree | None:
+        """The new state of the exact (backprop) step from the same forward, when the
+        relaxation reports its distance from it (else None)."""
+        if not self.relaxation.backprop_distance:
+            return None
+        error = self._output_error(y, target, mask)[0]
+        plain = ctx.for_inner_trace().replace(detailed=False)
+        return self._backward(state, relaxed.first_cache, error, plain)[1]
 
     def _output_error(self, y: Any, target: Any, mask: Any):
         """The descent error at the output, the row weights of `mask` (or None) and their
@@ -433,6 +415,7 @@ def make_step(
     loss_spike: float | None = None,
     clip_global_norm: float | None = None,
     compute_dtype: Any = None,
+    relaxation: Relaxation | None = None,
 ) -> StepProgram:
     """Compile a part tree into its pure training step.
 
@@ -471,6 +454,10 @@ def make_step(
             optimiser states, weight gradients, LayerNorm and softmax statistics, the norms
             and the loss in float32. Parts read it from the step context (`ctx.to_compute`,
             `ctx.matmul`; a part of your own that does not computes in float32).
+        relaxation: how the tree's `fusedpc.Latent` parts relax on the one energy of the
+            tree (`fusedpc.Relaxation`: sweeps, rate or optax optimiser, fixed prediction,
+            reports); a tree with latents and `None` relaxes with `Relaxation()`. A tree
+            without latents refuses one (it has nothing to relax).
 
     Returns:
         A `StepProgram` with pure `init(key)`, `step(carry, x, target, mask)`,
@@ -491,7 +478,20 @@ def make_step(
             f"loss_spike: needs a loss, and error_fn {resolved.name!r} has none; pass an "
             "ErrorFunction with a loss or leave loss_spike=None."
         )
-    return StepProgram(tree, tree.compile(""), resolved, error_normalisation, settings)
+    latents = has_latents(tree)
+    if relaxation is not None and not isinstance(relaxation, Relaxation):
+        raise TypeError(f"relaxation: expected a fusedpc.Relaxation or None, got "
+                        f"{type(relaxation).__name__}.")
+    if relaxation is not None and not latents:
+        raise ValueError("relaxation: the tree has no fusedpc.Latent to relax; place Latent() "
+                         "parts at the boundaries that should relax, or pass relaxation=None.")
+    if latents and error_normalisation == "active":
+        raise ValueError("error_normalisation: 'active' cannot tell padding rows of a tree with "
+                         "latents (their relaxed errors are not exact zeros); pass a mask.")
+    if latents and relaxation is None:
+        relaxation = Relaxation()
+    return StepProgram(tree, tree.compile(""), resolved, error_normalisation, settings,
+                       relaxation=relaxation)
 
 
 __all__ = ["StepProgram", "make_step", "max_update_ratio", "scan_steps"]

@@ -88,7 +88,10 @@ class PipelineReadout:
 
         Each row: `part` (its path in the tree), `layer_sizes`, `update_norm`, `error_norm`,
         `weight_norm`, `update_ratio` (update / weight norm, the number to calibrate a part's
-        learning rate by) and `finite`. Empty before the first step.
+        learning rate by) and `finite`; a `fusedpc.Latent`'s row has its `energy` (and
+        `energy_trajectory` when recorded), and a tree with latents ends with a
+        `<relaxation>` row (`energy_before`, `energy_after`, `energy_trajectory`,
+        `backprop_distance` as recorded). Empty before the first step.
 
         Raises:
             ValueError: the chosen inner step did not compute its report (`run`'s
@@ -103,7 +106,10 @@ class PipelineReadout:
                 "report_every / report_at); ask for a step that reported, e.g. the last "
                 "(index=-1)."
             )
-        return report_rows(chosen.parts)
+        rows = report_rows(chosen.parts)
+        if getattr(chosen, "relaxation", None) is not None:
+            rows.append(chosen.relaxation.row())
+        return rows
 
     def nonfinite_part(self, index: int = -1) -> str | None:
         """The part where the last step's non-finite value first appeared (backward order),

@@ -126,6 +126,9 @@ class StepMetrics(eqx.Module):
         loss_mean: the running mean loss the loss guard compared this step's loss with.
         reported: whether the parts' report norms were computed (False for `run`'s steps
             between reports, whose `parts` norms are NaN: see `StepProgram.run`).
+        relaxation: the whole-tree relaxation's report (`RelaxationReport`: the energy
+            before and after, its trajectory, the distance from the backprop step) for a
+            tree with `fusedpc.Latent` parts; None otherwise.
         packed: `parts` and `state_finite` as stored (a `fusedpc.core.Packed`, one vector
             per dtype); `parts` and `state_finite` are properties that rebuild the trees.
     """
@@ -138,6 +141,7 @@ class StepMetrics(eqx.Module):
     loss_mean: jax.Array = None  # type: ignore[assignment]
     reported: jax.Array = None  # type: ignore[assignment]
     mask_check: MaskCheck | None = None
+    relaxation: Any = None
 
     def __init__(
         self,
@@ -150,6 +154,7 @@ class StepMetrics(eqx.Module):
         loss_mean: jax.Array = None,  # type: ignore[assignment]
         reported: jax.Array = None,  # type: ignore[assignment]
         mask_check: MaskCheck | None = None,
+        relaxation: Any = None,
     ) -> None:
         self.loss = loss
         self.committed = committed
@@ -161,6 +166,7 @@ class StepMetrics(eqx.Module):
         self.loss_mean = loss_mean
         self.reported = reported
         self.mask_check = mask_check
+        self.relaxation = relaxation
 
     @property
     def parts(self) -> PyTree:

@@ -24,6 +24,9 @@ from fusedpc.parts._frozen import FrozenState as FrozenState
 from fusedpc.parts._gated import GatedCache as GatedCache
 from fusedpc.parts._gated import GatedFeedForward as GatedFeedForward
 from fusedpc.parts._gated import GatedState as GatedState
+from fusedpc.parts._latent import Latent as Latent
+from fusedpc.parts._latent import LatentMetrics as LatentMetrics
+from fusedpc.parts._latent import LatentState as LatentState
 from fusedpc.parts._repeat import Repeat as Repeat
 from fusedpc.parts._repeat import RepeatCache as RepeatCache
 from fusedpc.parts._repeat import RepeatState as RepeatState
