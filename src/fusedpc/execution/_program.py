@@ -59,7 +59,7 @@ from fusedpc.execution._step_types import (
 from fusedpc.execution._tree_relaxation import (
     Relaxation,
     TreeRelaxation,
-    has_latents,
+    resolve_relaxation,
     row_weight,
 )
 
@@ -478,18 +478,7 @@ def make_step(
             f"loss_spike: needs a loss, and error_fn {resolved.name!r} has none; pass an "
             "ErrorFunction with a loss or leave loss_spike=None."
         )
-    latents = has_latents(tree)
-    if relaxation is not None and not isinstance(relaxation, Relaxation):
-        raise TypeError(f"relaxation: expected a fusedpc.Relaxation or None, got "
-                        f"{type(relaxation).__name__}.")
-    if relaxation is not None and not latents:
-        raise ValueError("relaxation: the tree has no fusedpc.Latent to relax; place Latent() "
-                         "parts at the boundaries that should relax, or pass relaxation=None.")
-    if latents and error_normalisation == "active":
-        raise ValueError("error_normalisation: 'active' cannot tell padding rows of a tree with "
-                         "latents (their relaxed errors are not exact zeros); pass a mask.")
-    if latents and relaxation is None:
-        relaxation = Relaxation()
+    relaxation = resolve_relaxation(tree, relaxation, error_normalisation)
     return StepProgram(tree, tree.compile(""), resolved, error_normalisation, settings,
                        relaxation=relaxation)
 

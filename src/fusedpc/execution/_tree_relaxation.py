@@ -133,6 +133,25 @@ def has_latents(tree: AbstractPart) -> bool:
     return any(has_latents(child) for _, child in tree.children())
 
 
+def resolve_relaxation(tree: AbstractPart, relaxation: Any,
+                       error_normalisation: str) -> Relaxation | None:
+    """`make_step`'s `relaxation` checked against the tree: `Relaxation()` for a tree with
+    latents and None; refused for a tree without any, or with `"active"` normalisation."""
+    latents = has_latents(tree)
+    if relaxation is not None and not isinstance(relaxation, Relaxation):
+        raise TypeError(f"relaxation: expected a fusedpc.Relaxation or None, got "
+                        f"{type(relaxation).__name__}.")
+    if relaxation is not None and not latents:
+        raise ValueError("relaxation: the tree has no fusedpc.Latent to relax; place Latent() "
+                         "parts at the boundaries that should relax, or pass relaxation=None.")
+    if latents and error_normalisation == "active":
+        raise ValueError("error_normalisation: 'active' cannot tell padding rows of a tree with "
+                         "latents (their relaxed errors are not exact zeros); pass a mask.")
+    if latents and relaxation is None:
+        return Relaxation()
+    return relaxation
+
+
 def with_slots(state: PyTree, slots: list[Any]) -> PyTree:
     """`state` with its latents' places (in tree order) holding `slots`."""
     leaves, structure = jax.tree_util.tree_flatten(state, is_leaf=is_latent_state)
@@ -315,6 +334,7 @@ __all__ = [
     "has_latents",
     "latent_energy",
     "pulls_of",
+    "resolve_relaxation",
     "row_weight",
     "state_distance",
     "with_slots",

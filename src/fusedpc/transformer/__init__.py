@@ -14,6 +14,8 @@ from fusedpc.transformer._gpt import GPTPart as GPTPart
 from fusedpc.transformer._gpt import GPTState as GPTState
 from fusedpc.transformer._gpt import TransformerBlock as TransformerBlock
 from fusedpc.transformer._hybrid import hybrid_from_gpt as hybrid_from_gpt
+from fusedpc.transformer._latents import LATENT_PLACES as LATENT_PLACES
+from fusedpc.transformer._latents import with_latents as with_latents
 from fusedpc.transformer._slots import LEARNING_PRESETS as LEARNING_PRESETS
 from fusedpc.transformer._slots import SLOTS as SLOTS
 from fusedpc.transformer._stacking import AUTO_UNROLL_BLOCKS as AUTO_UNROLL_BLOCKS

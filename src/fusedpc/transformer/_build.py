@@ -13,6 +13,7 @@ from fusedpc.core._precision import resolve_compute_dtype
 from fusedpc.parts._attention import MIXINGS
 from fusedpc.transformer._gpt import GPTPart
 from fusedpc.transformer._hybrid import hybrid_from_gpt
+from fusedpc.transformer._latents import LATENT_PLACES, with_latents
 from fusedpc.transformer._slots import (
     GPT_LEARNING_KINDS,
     ITERATIVE,
@@ -42,6 +43,9 @@ class GPTConfig:
     the head width `width / n_heads` even) and `feed_forward` (`"gelu"` or `"swiglu"`) are the
     reference GPT's options (`fusedpc.transformer.reference.GPT`); with rotary positions the
     presets leave out `"position"` and naming it in `learn` is an error.
+    `latents` (`"none"`, `"blocks"`, `"all"`) puts `fusedpc.Latent`s of precision
+    `latent_precision` in the GPT (`fusedpc.transformer.with_latents`): its step then
+    relaxes them on the one energy of the whole transformer (`fusedpc.Relaxation`).
     """
 
     vocab_size: int = 65
@@ -62,6 +66,8 @@ class GPTConfig:
     norm: str = "layer"
     positions: str = "table"
     feed_forward: str = "gelu"
+    latents: str = "none"
+    latent_precision: float = 1.0
 
     def learning_slots(self) -> tuple[str, ...]:
         """The slots that learn, in `SLOTS` order for a preset (without `"position"` under
@@ -133,6 +139,12 @@ class GPTConfig:
                 f"head width width / n_heads must be even, got {self.width} / {self.n_heads} = "
                 f"{self.width // self.n_heads}."
             )
+        if self.latents not in LATENT_PLACES:
+            raise ValueError(
+                f"GPTConfig.latents must be one of {LATENT_PLACES}, got {self.latents!r}.")
+        if not self.latent_precision > 0:
+            raise ValueError(
+                f"GPTConfig.latent_precision must be > 0, got {self.latent_precision!r}.")
         self.learning_slots()
 
     @property
@@ -185,4 +197,4 @@ def build_gpt(
         scan=config.scan,
         output="probabilities" if config.head_kind == "categorical" else "logits",
     )
-    return part, reference
+    return with_latents(part, config.latents, config.latent_precision), reference
