@@ -21,8 +21,12 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--learning-kind", "precision_weighted, standard, synaptic_uncertainty, or iterative "
      "(the feed-forwards learn by iterative inference)"),
     ("--window", "window of synaptic_uncertainty (required with it)"),
-    ("--inference-steps", "relaxation steps of the iterative kind's feed-forwards"),
-    ("--inference-rate", "step size of the iterative kind's relaxation"),
+    ("--latents", "none, blocks (a latent after the embedding and every block) or all (after "
+     "every slot): the whole transformer relaxes them on one energy"),
+    ("--latent-precision", "precision of every latent's prediction error"),
+    ("--inference-steps", "relaxation sweeps of the latents (--latents), and of the iterative "
+     "kind's feed-forwards"),
+    ("--inference-rate", "step size of the latents' and the iterative kind's relaxation"),
     ("--head-kind", "gaussian (logits) or categorical (probabilities)"),
     ("--fused-qkv", "true: the learning query, key and value projections as one fused part"),
     ("--hidden-precision", "precision of the feed-forward's hidden-layer errors"),

@@ -4,7 +4,8 @@ the `[model]` keys of a TOML file) and built back from them.
 A setting of the model has the name of the `GPTConfig` field it sets (`n_heads`, `n_blocks`,
 `max_len`, ...), plus the learning keywords a run takes: `window`
 (`GPTConfig.learning_kwargs["window"]` of `synaptic_uncertainty`), and `inference_steps` and
-`inference_rate` (of `"iterative"`).
+`inference_rate` (of `"iterative"`, and of a model with latents: its
+`relaxation_steps` and `relaxation_rate`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ SYNAPTIC = "synaptic_uncertainty"
 MODEL_SETTINGS = (
     "width", "n_heads", "n_blocks", "ff_width", "max_len", "learn", "learning_kind", "window",
     "inference_steps", "inference_rate", "head_kind", "fused_qkv", "hidden_precision", "scan",
-    "attention_mixing", "compute_dtype", "norm", "positions", "feed_forward",
+    "attention_mixing", "compute_dtype", "norm", "positions", "feed_forward", "latents",
+    "latent_precision",
 )
 """The settings of `TrainConfig.model`: `GPTConfig` fields by their own names, and the learning
 keywords (`LEARNING_SETTINGS`)."""
@@ -37,7 +39,10 @@ def model_settings(model: GPTConfig) -> dict[str, Any]:
     }
     if not isinstance(out["learn"], str):
         out["learn"] = ",".join(out["learn"])
-    given = model.learning_kwargs or {}
+    given = dict(model.learning_kwargs or {})
+    if model.latents != "none":  # the relaxation of the latents
+        given = {"inference_steps": model.relaxation_steps,
+                 "inference_rate": model.relaxation_rate, **given}
     for name, default in LEARNING_DEFAULTS.items():
         out[name] = type(default)(given.get(name, default))
     return out
@@ -50,4 +55,7 @@ def model_from(model: GPTConfig, settings: dict[str, Any]) -> GPTConfig:
     # As in fusedpc 0.1: a learning keyword reaches the model only with the kind that uses it.
     names = LEARNING_SETTINGS.get(merged["learning_kind"], ())
     kwargs = {name: learning[name] for name in names} or None
+    if merged["latents"] != "none":  # the same keywords set the latents' relaxation
+        merged["relaxation_steps"] = int(learning["inference_steps"])
+        merged["relaxation_rate"] = float(learning["inference_rate"])
     return dataclasses.replace(model, learning_kwargs=kwargs, **merged)

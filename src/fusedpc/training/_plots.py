@@ -224,4 +224,7 @@ def render_all(
     if any(r.get("kind") == "report" and "energy_after" in r for r in records):
         paths.append(plot_per_part(records, "energy_after", folder / "energy.png",
                                    "energy after relaxation F (mean over rows)"))
+    if any(r.get("kind") == "report" and "energy" in r for r in records):
+        paths.append(plot_per_part(records, "energy", folder / "latent_energy.png",
+                                   "each latent's energy after relaxation (mean over rows)"))
     return paths

@@ -12,6 +12,7 @@ import numpy as np
 from fusedpc.execution._checkpoint import read_checkpoint_manifest
 from fusedpc.execution._pipeline import FusedPipeline
 from fusedpc.execution._sharding import data_mesh
+from fusedpc.execution._tree_relaxation import Relaxation
 from fusedpc.training import data
 from fusedpc.training._config import TrainConfig
 from fusedpc.training._config_file import CHECKPOINT_NAME, resume_config
@@ -166,6 +167,8 @@ def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
         key=jax.random.key(config.seed),
         mesh=mesh,
         settings=config.step_settings,
+        relaxation=None if gpt.latents == "none" else Relaxation(
+            steps=gpt.relaxation_steps, rate=gpt.relaxation_rate),
     )
 
 

@@ -10,7 +10,9 @@ Scalars, by record kind:
 * `train`: `train/loss`, `train/lr`;
 * `eval`: `eval/val_loss`, `eval/val_perplexity`;
 * `report`: `report/<part>/update_norm`, `error_norm`, `weight_norm` and `update_ratio`, and
-  an iterative-inference part's `energy_before` and `energy_after`;
+  an iterative-inference part's `energy_before` and `energy_after`, a latent's `energy`
+  and a relaxing tree's `<relaxation>` row (`energy_before`, `energy_after`,
+  `backprop_distance`);
 * `skip`: `train/skipped` (1 at each step not committed).
 """
 
@@ -26,6 +28,7 @@ TENSORBOARD_MISSING = (
 )
 REPORT_FIELDS = (
     "update_norm", "error_norm", "weight_norm", "update_ratio", "energy_before", "energy_after",
+    "energy", "backprop_distance",
 )
 
 

@@ -5,6 +5,7 @@ drawn from a key, with learning parts asked for by slot name (`hybrid_from_gpt(l
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import optax
@@ -45,7 +46,8 @@ class GPTConfig:
     presets leave out `"position"` and naming it in `learn` is an error.
     `latents` (`"none"`, `"blocks"`, `"all"`) puts `fusedpc.Latent`s of precision
     `latent_precision` in the GPT (`fusedpc.transformer.with_latents`): its step then
-    relaxes them on the one energy of the whole transformer (`fusedpc.Relaxation`).
+    relaxes them on the one energy of the whole transformer, `relaxation_steps` sweeps at
+    `relaxation_rate` (what `fusedpc train` makes its `fusedpc.Relaxation` of).
     """
 
     vocab_size: int = 65
@@ -68,6 +70,8 @@ class GPTConfig:
     feed_forward: str = "gelu"
     latents: str = "none"
     latent_precision: float = 1.0
+    relaxation_steps: int = 8
+    relaxation_rate: float = 0.1
 
     def learning_slots(self) -> tuple[str, ...]:
         """The slots that learn, in `SLOTS` order for a preset (without `"position"` under
@@ -142,9 +146,14 @@ class GPTConfig:
         if self.latents not in LATENT_PLACES:
             raise ValueError(
                 f"GPTConfig.latents must be one of {LATENT_PLACES}, got {self.latents!r}.")
-        if not self.latent_precision > 0:
-            raise ValueError(
-                f"GPTConfig.latent_precision must be > 0, got {self.latent_precision!r}.")
+        for name in ("latent_precision", "relaxation_rate"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"GPTConfig.{name} must be a finite number > 0, got {value!r}.")
+        if isinstance(self.relaxation_steps, bool) or not isinstance(
+                self.relaxation_steps, int) or self.relaxation_steps < 1:
+            raise ValueError(f"GPTConfig.relaxation_steps must be an integer >= 1, got "
+                             f"{self.relaxation_steps!r}.")
         self.learning_slots()
 
     @property
