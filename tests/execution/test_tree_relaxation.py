@@ -131,6 +131,7 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head", ["gaussian", "categorical", "binary"])
 def test_the_relaxation_and_the_learning_step_match_jax_grad_of_the_energy(head):
     a = _arrays()
@@ -163,6 +164,7 @@ def test_per_latent_energies_and_trajectories_are_reported():
     assert loss_after < float(report.energy_before)  # the output's loss came down
 
 
+@pytest.mark.slow
 def test_an_optax_optimiser_over_the_latents_matches_its_reference():
     a = _arrays(1)
     opt = optax.adam(0.05)
@@ -203,6 +205,7 @@ def _backprop_twin(a):
     return out
 
 
+@pytest.mark.slow
 def test_fixed_prediction_converges_to_the_backprop_step_as_the_sweeps_grow():
     a = _arrays(3)
     twin = _backprop_twin(a)["float64"]
@@ -215,6 +218,7 @@ def test_fixed_prediction_converges_to_the_backprop_step_as_the_sweeps_grow():
     assert gaps[-1] < 1e-5, gaps
 
 
+@pytest.mark.slow
 def test_the_z_il_rate_gives_the_backprop_step_to_the_float32_floor():
     """Fixed prediction at rate 1/Pi: exact after as many sweeps as latents (here 2), so
     one step is the backprop step, no further from the float64 twin than float32 backprop."""
@@ -237,6 +241,7 @@ def test_the_backprop_distance_is_reported_and_shrinks_under_fixed_prediction():
     assert near_d < 1e-4 < far_d
 
 
+@pytest.mark.slow
 def test_a_mask_relaxes_each_row_on_its_own_and_learns_from_the_real_rows():
     a = _arrays(6)
     relaxation = fusedpc.Relaxation(steps=5, rate=0.2)
@@ -252,6 +257,7 @@ def test_a_mask_relaxes_each_row_on_its_own_and_learns_from_the_real_rows():
         assert _rel(got, want) < 1e-5
 
 
+@pytest.mark.slow
 def test_run_equals_k_steps():
     a = _arrays(7)
     program = fusedpc.make_step(_hybrid(a), "squared", relaxation=fusedpc.Relaxation(steps=3))

@@ -42,6 +42,7 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("at, count", [("blocks", 1 + TINY["n_blocks"]),
                                        ("all", 1 + 4 * TINY["n_blocks"] + 1)])
 @pytest.mark.parametrize("scan", [True, False])
@@ -123,6 +124,7 @@ def test_fixed_prediction_on_a_gpt_converges_to_the_backprop_step_as_the_sweeps_
     assert gaps[2] < 1e-4, gaps
 
 
+@pytest.mark.slow
 def test_the_fully_pc_gpt_relaxes_and_learns():
     """Standard relaxation on every boundary: the energy falls over the sweeps, each latent
     reports its energy, and a few steps lower the loss."""
