@@ -175,6 +175,24 @@ def test_iterative_variants_run_beside_the_single_sweep_step(capsys):
     assert "inference_steps" not in by_variant["fused"]
 
 
+@pytest.mark.slow
+def test_tree_pc_variants_run_beside_the_single_sweep_step_and_the_twin(capsys):
+    argv = [*MICRO, "--in-process", "--no-donate-probe", "--variants",
+            "fused,fused_tree_pc,fused_run_tree_pc,fused_tree_pc_T2,backprop",
+            "--inference-steps", "3"]
+    assert bench.main(argv) == 0
+    rows, _ = _rows(capsys)
+    by_variant = {r["variant"]: r for r in rows}
+    assert set(by_variant) == {"fused", "fused_tree_pc", "fused_run_tree_pc",
+                               "fused_tree_pc_T2", "backprop"}
+    assert by_variant["fused_tree_pc"]["inference_steps"] == 3
+    assert by_variant["fused_tree_pc_T2"]["inference_steps"] == 2  # T from its name
+    assert by_variant["fused_run_tree_pc"]["steps_per_call"] == 2
+    for row in by_variant.values():
+        assert row["step_ms"] > 0 and row["tokens_per_s"] > 0
+    assert "inference_steps" not in by_variant["fused"]
+
+
 def test_bad_inference_settings_are_refused():
     with pytest.raises(ValueError, match="--inference-steps must be >= 0"):
         bench.BenchArgs(inference_steps=-1)

@@ -39,24 +39,29 @@ ITERATIVE_VARIANTS = ("fused_iterative", "fused_run_iterative")
 """`fused` and `fused_run` with every feed-forward learning by iterative inference
 (`GPTConfig(learning_kind="iterative")`, `--inference-steps` relaxation steps at
 `--inference-rate`): its cost, side by side with the single-sweep `fused` and the twin."""
+TREE_PC_VARIANTS = ("fused_tree_pc", "fused_run_tree_pc")
+"""`fused` and `fused_run` of the fully-PC GPT (`GPTConfig(latents="all")`: a latent after
+every slot, relaxed on the whole transformer's energy for `--inference-steps` sweeps at
+`--inference-rate`, `fusedpc.Relaxation`): its cost, side by side with the single sweep and
+the twin."""
 RUN_VARIANTS = (
     "fused_run", "fused_run_scan", "fused_run_unrolled", *CADENCE_VARIANTS,
-    "fused_run_calibrated", "fused_run_iterative",
+    "fused_run_calibrated", "fused_run_iterative", "fused_run_tree_pc",
 )
 """The variants that time `FusedPipeline.run` (`k` steps per call)."""
 FUSED_VARIANTS = (
     "fused", "fused_run", *SCANNED_VARIANTS, *UNROLLED_VARIANTS, *GUARD_VARIANTS,
-    *CADENCE_VARIANTS, *CALIBRATED_VARIANTS, *ITERATIVE_VARIANTS,
+    *CADENCE_VARIANTS, *CALIBRATED_VARIANTS, *ITERATIVE_VARIANTS, *TREE_PC_VARIANTS,
 )
 """Every variant that runs a `FusedPipeline`."""
 ALL_VARIANTS = (
     VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + GUARD_VARIANTS + CADENCE_VARIANTS
-    + CALIBRATED_VARIANTS + ITERATIVE_VARIANTS + PROBES
+    + CALIBRATED_VARIANTS + ITERATIVE_VARIANTS + TREE_PC_VARIANTS + PROBES
 )
-"""Every name `--variants` accepts, besides the iterative variants at a given T
-(`fused_iterative_T16`, `fused_run_iterative_T16`: see `base_variant`)."""
+"""Every name `--variants` accepts, besides the iterative and tree-PC variants at a given T
+(`fused_iterative_T16`, `fused_run_tree_pc_T4`: see `base_variant`)."""
 
-_AT_STEPS = re.compile(r"(fused(?:_run)?_iterative)_T([0-9]+)")
+_AT_STEPS = re.compile(r"(fused(?:_run)?_(?:iterative|tree_pc))_T([0-9]+)")
 
 
 def base_variant(variant: str) -> str:
@@ -69,11 +74,12 @@ def base_variant(variant: str) -> str:
 
 
 def variant_inference_steps(variant: str, default: int) -> int | None:
-    """T of an iterative variant (from its name, else `default`); None for the others."""
+    """T of an iterative or tree-PC variant (from its name, else `default`); None for the
+    others."""
     match = _AT_STEPS.fullmatch(variant)
     if match:
         return int(match.group(2))
-    return default if variant in ITERATIVE_VARIANTS else None
+    return default if variant in ITERATIVE_VARIANTS + TREE_PC_VARIANTS else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +322,9 @@ def _variant_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
         "fused_scan,fused_run_scan (blocks always scanned), fused_unrolled,fused_run_unrolled "
         "(blocks a tuple, unrolled), fused_guards,fused_unguarded (every step guard on, or "
         "none: their cost), fused_iterative,fused_run_iterative (the feed-forwards learn by "
-        "iterative inference; fused_iterative_T16 at T = 16, several T side by side); fused "
+        "iterative inference; fused_iterative_T16 at T = 16, several T side by side), "
+        "fused_tree_pc,fused_run_tree_pc (the fully-PC GPT: a latent after every slot, "
+        "relaxed for --inference-steps sweeps; fused_tree_pc_T4 at T = 4); fused "
         "and fused_run use build_gpt's scan='auto' (the "
         "sweep's default is fused_scan,fused_unrolled); the probes peak and "
         "donation may be named too (--variants donation runs the donation probe alone)",
@@ -378,7 +386,8 @@ def _numeric_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
     )
     p.add_argument(
         "--inference-steps", type=int, default=d.inference_steps,
-        help="relaxation steps of the iterative variants' feed-forwards (default 8)",
+        help="relaxation steps of the iterative variants' feed-forwards and sweeps of the "
+        "tree-PC variants' latents (default 8)",
     )
     p.add_argument(
         "--inference-rate", type=float, default=d.inference_rate,

@@ -12,6 +12,7 @@ from fusedpc.bench._args import (
     FUSED_VARIANTS,
     RUN_VARIANTS,
     SCANNED_VARIANTS,
+    TREE_PC_VARIANTS,
     UNROLLED_VARIANTS,
     BenchArgs,
     base_variant,
@@ -97,15 +98,18 @@ class Setup:
             k_targets, run_shape, 0, args.vocab, dtype=jnp.int32
         )
 
-    def config(self, scan: bool | str, inference_steps: int | None = None):
+    def config(self, scan: bool | str, inference_steps: int | None = None,
+               latents: bool = False):
         """The `GPTConfig` of these settings with blocks run per `scan`; with
         `inference_steps`, the feed-forwards learn by iterative inference (that many steps at
-        `--inference-rate`)."""
+        `--inference-rate`), or with `latents` every slot's output is a latent."""
         import fusedpc
 
         args = self.args
         kind: dict[str, Any] = {}
-        if inference_steps is not None:
+        if latents:
+            kind = {"latents": "all"}
+        elif inference_steps is not None:
             kind = {"learning_kind": "iterative", "learning_kwargs": {
                 "inference_steps": inference_steps, "inference_rate": args.inference_rate,
             }}
@@ -118,7 +122,7 @@ class Setup:
 
     def build(
         self, scan: bool | str, rate_multiplier: bool = False,
-        inference_steps: int | None = None,
+        inference_steps: int | None = None, latents: bool = False,
     ):
         """`(config, part, reference)`: the config and `fusedpc.build_gpt`'s part and twin;
         with `rate_multiplier`, the optimiser carries one (`with_rate_multiplier`); with
@@ -127,7 +131,7 @@ class Setup:
         import fusedpc
         from fusedpc.training import with_rate_multiplier
 
-        config = self.config(scan, inference_steps)
+        config = self.config(scan, inference_steps, latents)
         optimiser = with_rate_multiplier(self.optimiser) if rate_multiplier else self.optimiser
         part, reference = fusedpc.build_gpt(config, optimiser, self.model_key)
         return config, part, reference
@@ -138,15 +142,19 @@ class Setup:
 
         steps = variant_inference_steps(variant, self.args.inference_steps)
         variant = base_variant(variant)
+        tree_pc = variant in TREE_PC_VARIANTS
         config, part, _ = self.build(
             scan=variant_scan(variant), rate_multiplier=variant in CALIBRATED_VARIANTS,
-            inference_steps=steps,
+            inference_steps=steps, latents=tree_pc,
         )
         guards: dict[str, Any] = {"nonfinite": self.args.nonfinite}
         if variant == "fused_guards":  # loose bounds: every rule computed, nothing skipped
             guards.update(max_update_ratio=1.0, loss_spike=100.0)
         elif variant == "fused_unguarded":
             guards["nonfinite"] = "ignore"
+        if tree_pc:
+            guards["relaxation"] = fusedpc.Relaxation(steps=steps,
+                                                      rate=self.args.inference_rate)
         return fusedpc.FusedPipeline(part, config.error_fn, mesh=self.mesh, **guards)
 
     def shard(self, x, axis: int = 0):
