@@ -225,6 +225,19 @@ def mode_mesh() -> dict:
         (row["energy_before"], row["energy_after"]) for row in spread.report()
         if "energy_after" in row
     ]
+
+    # Every boundary a latent, relaxed on the whole GPT's energy: sharded against one device.
+    latent, config = build(latents="all")
+    relaxation = fusedpc.Relaxation(steps=3, rate=0.2)
+    alone = fusedpc.FusedPipeline(latent, config.error_fn, relaxation=relaxation)
+    spread = fusedpc.FusedPipeline(latent, config.error_fn, relaxation=relaxation,
+                                   mesh=_sharding.data_mesh())
+    for k in range(STEPS):
+        alone.step(xs[k], ts[k])
+        spread.step(xs[k], ts[k])
+    out["tree_pc_errors"] = errors(spread.state, alone.state)
+    out["tree_pc_energies"] = [(row["energy_before"], row["energy_after"])
+                               for row in spread.report() if row["part"] == "<relaxation>"]
     return out
 
 

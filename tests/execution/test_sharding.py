@@ -90,14 +90,15 @@ def _is_key_bias(path: str) -> bool:
     # The key bias adds the same score to every column of a softmax row, so its gradient is
     # exactly zero; Adam turns the float32 noise in it into full-size steps, differently for
     # any two summation orders. It changes no output (predict is compared below).
-    return ".attention.wk." in path and "biases" in path
+    # (`.attention.parts[0].wk.`: the attention of a GPT with latents)
+    return (".attention.wk." in path or ".attention.parts[0].wk." in path) and "biases" in path
 
 
-def _assert_close(errors: dict[str, float], what: str) -> None:
+def _assert_close(errors: dict[str, float], what: str, rtol: float = RTOL) -> None:
     checked = {p: e for p, e in errors.items() if not _is_key_bias(p)}
     assert len(checked) >= 60, f"{what}: only {len(checked)} leaves compared"
     worst = max(checked, key=checked.get)
-    assert checked[worst] <= RTOL, f"{what}: leaf {worst} differs by {checked[worst]:.3e}"
+    assert checked[worst] <= rtol, f"{what}: leaf {worst} differs by {checked[worst]:.3e}"
 
 
 def _free_port() -> int:
@@ -149,6 +150,17 @@ def test_iterative_feed_forwards_shard_like_every_part(mesh_result):
     _assert_close(r["iterative_errors"], "iterative GPT: 5 sharded vs 5 single-device steps")
     assert len(r["iterative_energies"]) == 2  # one feed-forward per block
     assert all(0 < after < before for before, after in r["iterative_energies"])
+
+
+def test_a_relaxing_tree_shards_like_every_tree(mesh_result):
+    r = mesh_result
+    # 1e-3, not RTOL: below a latent the errors are the small relaxed ones, which Adam
+    # (rate 1e-2) scales up, and with them the summation-order noise of 8 devices' row sums
+    # (worst seen 2.3e-4, in the attention biases, the norms and their Adam moments)
+    _assert_close(r["tree_pc_errors"], "fully-PC GPT: 5 sharded vs 5 single-device steps",
+                  rtol=1e-3)
+    ((before, after),) = r["tree_pc_energies"]
+    assert after < before
 
 
 def test_sharded_run_equals_single_device_steps(mesh_result):

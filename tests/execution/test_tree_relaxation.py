@@ -328,3 +328,29 @@ def test_bad_uses_are_refused_with_the_argument_named():
         fusedpc.make_step(_hybrid(a), error_normalisation="active")
     with pytest.raises(ValueError, match="Latent: precision must be a finite number > 0"):
         fusedpc.Latent(0.0)
+
+
+def test_a_checkpoint_of_a_relaxing_tree_resumes_bit_for_bit(tmp_path):
+    a = _arrays(9)
+    relaxation = fusedpc.Relaxation(steps=3, rate=0.2)
+    xs = [a["x"], -a["x"], 0.5 * a["x"], a["x"] + 1.0]
+
+    def pipeline():
+        return fusedpc.FusedPipeline(_hybrid(a, optimiser=optax.adam(1e-2)), "squared",
+                                     relaxation=relaxation)
+
+    straight = pipeline()
+    for x in xs:
+        straight.step(x, a["t"])
+    first = pipeline()
+    for x in xs[:2]:
+        first.step(x, a["t"])
+    first.save(str(tmp_path / "run.fpc"))
+    resumed = pipeline()
+    resumed.load(str(tmp_path / "run.fpc"))
+    for x in xs[2:]:
+        resumed.step(x, a["t"])
+    for got, want in zip(jax.tree_util.tree_leaves(resumed.state),
+                         jax.tree_util.tree_leaves(straight.state), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert resumed.steps == straight.steps == 4
