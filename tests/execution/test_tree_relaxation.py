@@ -354,3 +354,19 @@ def test_a_checkpoint_of_a_relaxing_tree_resumes_bit_for_bit(tmp_path):
                          jax.tree_util.tree_leaves(straight.state), strict=True):
         np.testing.assert_array_equal(got, want)
     assert resumed.steps == straight.steps == 4
+
+
+def test_the_docs_example_runs_and_its_relaxation_lowers_the_energy(capsys):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "tree-pc.md").read_text()
+    match = re.search(r"<!-- example: tree-pc -->\s*```python\n(.*?)```", text, re.DOTALL)
+    assert match, "docs/tree-pc.md lost its `<!-- example: tree-pc -->` code block"
+    namespace: dict = {}
+    exec(compile(match.group(1), "docs/tree-pc.md", "exec"), namespace)  # noqa: S102
+    relaxation = namespace["relaxation"]
+    assert relaxation["part"] == "<relaxation>"
+    assert relaxation["energy_after"] < relaxation["energy_before"]
+    assert sum("energy" in row for row in namespace["parts"]) == 2  # the two latents
+    assert "energy" in capsys.readouterr().out
