@@ -153,8 +153,9 @@ class Setup:
         elif variant == "fused_unguarded":
             guards["nonfinite"] = "ignore"
         if tree_pc:
-            guards["relaxation"] = fusedpc.Relaxation(steps=steps,
-                                                      rate=self.args.inference_rate)
+            guards["relaxation"] = fusedpc.Relaxation(
+                steps=self.args.inference_steps if steps is None else steps,
+                rate=self.args.inference_rate)
         return fusedpc.FusedPipeline(part, config.error_fn, mesh=self.mesh, **guards)
 
     def shard(self, x, axis: int = 0):

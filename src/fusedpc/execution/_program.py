@@ -211,7 +211,7 @@ class StepProgram:
         measured = Measured()
         ctx = ctx.replace(detailed=detailed, measured=measured,
                           error_scale=None if weights is None else row_mask_scale(weights))
-        walk_state = state if relaxed is None else self._tree.learning_state(
+        walk_state = state if relaxed is None else self._relaxing.learning_state(
             state, relaxed, None if weights is None else row_weight(weights))
         input_error, new_state, part_metrics = self._backward(walk_state, cache, error, ctx)
         loss = self._loss(y, target, weights)
@@ -232,7 +232,7 @@ class StepProgram:
         mask_ok = jnp.array(True) if checked_mask is None else checked_mask.ok
         code = self._skip_code(checks, mask_ok, finite, part_metrics, counters, loss)
         committed = code == 0
-        relaxation = None if relaxed is None else self._tree.report(
+        relaxation = None if relaxed is None else self._relaxing.report(
             relaxed, part_metrics, top, target, new_state, self._backprop_twin(
                 state, relaxed, y, target, mask, ctx), state)
         new_state = jax.tree_util.tree_map(
@@ -253,6 +253,13 @@ class StepProgram:
         counters = self._count(counters, code, loss)
         return StepCarry(new_state, counters), StepOutput(y, input_error, metrics)
 
+    @property
+    def _relaxing(self) -> TreeRelaxation:
+        """The tree's relaxation (only read for a tree with latents)."""
+        if self._tree is None:
+            raise AssertionError("StepProgram: a relaxation was asked of a tree without one.")
+        return self._tree
+
     def _forward_walks(self, state: PyTree, x: Any, target: Any, ctx: StepContext):
         """The step's forward: `(output, top, cache, relaxed)`. Without latents the forward
         walk (`top` is the output); with them the relaxation (`relaxed`), the feed-forward
@@ -268,7 +275,7 @@ class StepProgram:
                        ctx: StepContext) -> PyTree | None:
         """The new state of the exact (backprop) step from the same forward, when the
         relaxation reports its distance from it (else None)."""
-        if not self.relaxation.backprop_distance:
+        if self.relaxation is None or not self.relaxation.backprop_distance:
             return None
         error = self._output_error(y, target, mask)[0]
         plain = ctx.for_inner_trace().replace(detailed=False)
