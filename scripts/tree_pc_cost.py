@@ -6,7 +6,9 @@ At config S (vocab 65, width 64, 4 heads, 2 blocks, seq 64, batch 16, every weig
 Adam 1e-3): `tree_pc_T<T>` is `GPTConfig(latents="all")` (a latent after every slot) relaxed
 for T sweeps at `--inference-rate` (`fusedpc.Relaxation`), `tree_pc_fixed_T<T>` the same under
 fixed prediction (sweeps are backward walks only), `tree_pc_blocks_T<T>` a latent after the
-embedding and every block. Each measurement prints one JSON line per variant:
+embedding and every block, `tree_pc_adaptive_T<T>` adaptive inference at a tolerance never
+met (a `lax.while_loop` that runs all T sweeps: its cost beside the scan's). Each
+measurement prints one JSON line per variant:
 
 * `step`: every variant built in this process, then timed call by call in turn (one call of
   each per round, so that the machine's load falls on all alike); medians over the rounds.
@@ -41,8 +43,10 @@ def _variant(name: str, rate: float):
         return fusedpc.GPTConfig(**CONFIG_S, learn="all"), None
     kind, steps = name.rsplit("_T", 1)
     latents = "blocks" if kind == "tree_pc_blocks" else "all"
+    # `tree_pc_adaptive`: a tolerance that is never met, so the while loop runs all T sweeps
     relaxation = fusedpc.Relaxation(steps=int(steps), rate=rate,
-                                    fixed_prediction=kind == "tree_pc_fixed")
+                                    fixed_prediction=kind == "tree_pc_fixed",
+                                    tolerance=1e-30 if kind == "tree_pc_adaptive" else None)
     return fusedpc.GPTConfig(**CONFIG_S, learn="all", latents=latents), relaxation
 
 
@@ -178,7 +182,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("step", "compile"), default=None)
     parser.add_argument("--variants", type=_names, default=_names(
-        "tree_pc_T1,tree_pc_T4,tree_pc_T8,tree_pc_T16,tree_pc_fixed_T8,tree_pc_blocks_T8"),
+        "tree_pc_T1,tree_pc_T4,tree_pc_T8,tree_pc_T16,tree_pc_fixed_T8,tree_pc_blocks_T8,"
+        "tree_pc_adaptive_T8"),
         help="the variants timed beside the single sweep and the twin")
     parser.add_argument("--compile-variants", type=_names,
                         default=_names("tree_pc_T8,tree_pc_T64"),

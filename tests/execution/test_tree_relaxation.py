@@ -370,3 +370,41 @@ def test_the_docs_example_runs_and_its_relaxation_lowers_the_energy(capsys):
     assert relaxation["energy_after"] < relaxation["energy_before"]
     assert sum("energy" in row for row in namespace["parts"]) == 2  # the two latents
     assert "energy" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_adaptive_inference_stops_when_the_energy_settles_and_equals_that_many_sweeps():
+    a = _arrays(10)
+    settled = fusedpc.Relaxation(steps=40, rate=0.05, tolerance=0.0095, record_energy=True)
+    carry, out = _run(a, "gaussian", settled)
+    taken = int(out.metrics.relaxation.steps)
+    assert 1 < taken < 40
+    trajectory = np.asarray(out.metrics.relaxation.energy_trajectory)
+    assert np.all(np.isnan(trajectory[taken:-1])) and np.all(np.isfinite(trajectory[:taken]))
+    change = abs(trajectory[taken - 1] - trajectory[taken - 2]) / abs(trajectory[taken - 2])
+    assert change < 0.0095  # it stopped after the first sweep that settled ...
+    earlier = np.abs(np.diff(trajectory[:taken - 1])) / np.abs(trajectory[:taken - 2])
+    assert np.all(earlier >= 0.0095)  # ... and not before
+    fixed_carry, fixed_out = _run(a, "gaussian", fusedpc.Relaxation(steps=taken, rate=0.05))
+    for got, want in zip(_network_state(carry), _network_state(fixed_carry)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert int(fixed_out.metrics.relaxation.steps) == taken
+
+
+@pytest.mark.slow
+def test_adaptive_inference_at_its_maximum_is_the_fixed_sweeps():
+    a = _arrays(11)
+    carry, out = _run(a, "gaussian", fusedpc.Relaxation(steps=5, rate=0.2, tolerance=1e-30))
+    fixed, _ = _run(a, "gaussian", fusedpc.Relaxation(steps=5, rate=0.2))
+    assert int(out.metrics.relaxation.steps) == 5
+    for got, want in zip(_network_state(carry), _network_state(fixed)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_adaptive_inference_needs_a_loss_and_a_positive_tolerance():
+    a = _arrays()
+    with pytest.raises(ValueError, match="a tolerance stops on the energy, which needs the loss"):
+        fusedpc.make_step(_hybrid(a), lambda y, t: y - t,
+                          relaxation=fusedpc.Relaxation(tolerance=1e-3))
+    with pytest.raises(ValueError, match="tolerance must be None or a finite number > 0"):
+        fusedpc.Relaxation(tolerance=0.0)

@@ -59,6 +59,7 @@ from fusedpc.execution._step_types import (
 from fusedpc.execution._tree_relaxation import (
     Relaxation,
     TreeRelaxation,
+    check_tolerance,
     resolve_relaxation,
     row_weight,
 )
@@ -486,6 +487,7 @@ def make_step(
             "ErrorFunction with a loss or leave loss_spike=None."
         )
     relaxation = resolve_relaxation(tree, relaxation, error_normalisation)
+    check_tolerance(relaxation, resolved.loss, resolved.name)
     return StepProgram(tree, tree.compile(""), resolved, error_normalisation, settings,
                        relaxation=relaxation)
 

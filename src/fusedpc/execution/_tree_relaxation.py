@@ -72,6 +72,11 @@ class Relaxation:
         backprop_distance: also compute the exact (backprop) step of the same tree and
             report how far the step's new state lies from it, relative to the backprop
             step's own size (`RelaxationReport.backprop_distance`); one more backward walk.
+        tolerance: None (always `steps` sweeps, one `lax.scan`), or adaptive inference: the
+            sweeps stop after the first whose energy differs from the previous sweep's by
+            less than `tolerance` relative to it, at most `steps` (one `lax.while_loop`;
+            the sweeps run reach `RelaxationReport.steps`). Needs an error function with a
+            loss.
     """
 
     steps: int = 8
@@ -80,6 +85,7 @@ class Relaxation:
     fixed_prediction: bool = False
     record_energy: bool = False
     backprop_distance: bool = False
+    tolerance: float | None = None
 
     def __post_init__(self) -> None:
         steps = self.steps
@@ -95,6 +101,14 @@ class Relaxation:
             raise TypeError(
                 "Relaxation: optimiser must be an optax GradientTransformation or None, got "
                 f"{type(self.optimiser).__name__}.")
+        if self.tolerance is not None:
+            tolerance = float(self.tolerance) if isinstance(
+                self.tolerance, numbers.Real) else math.nan
+            if isinstance(self.tolerance, bool) or not (math.isfinite(tolerance)
+                                                        and tolerance > 0):
+                raise ValueError(f"Relaxation: tolerance must be None or a finite number > 0, "
+                                 f"got {self.tolerance!r}.")
+            object.__setattr__(self, "tolerance", tolerance)
         object.__setattr__(self, "steps", int(steps))
         object.__setattr__(self, "rate", rate)
         for name in ("fixed_prediction", "record_energy", "backprop_distance"):
@@ -107,10 +121,12 @@ class RelaxationReport(eqx.Module):
     latent then being its prediction) and at the relaxed ones (`energy_after`), with
     `record_energy` its `energy_trajectory` `(T + 1,)`, and with `backprop_distance` the
     relative distance $\\lVert s_{pc} - s_{bp} \\rVert / \\lVert s_{bp} - s \\rVert$ of the
-    step's new state from the backprop step's. NaN where the error function has no loss."""
+    step's new state from the backprop step's; `steps`, the sweeps run (`Relaxation.steps`,
+    or fewer under a `tolerance`). NaN where the error function has no loss."""
 
     energy_before: jax.Array
     energy_after: jax.Array
+    steps: jax.Array
     energy_trajectory: jax.Array | None = None
     backprop_distance: jax.Array | None = None
 
@@ -118,7 +134,8 @@ class RelaxationReport(eqx.Module):
         """The report's row for the relaxation (host values)."""
         row: dict[str, Any] = {"part": "<relaxation>",
                                "energy_before": float(self.energy_before),
-                               "energy_after": float(self.energy_after)}
+                               "energy_after": float(self.energy_after),
+                               "steps": int(self.steps)}
         if self.energy_trajectory is not None:
             row["energy_trajectory"] = [float(v) for v in jnp.asarray(self.energy_trajectory)]
         if self.backprop_distance is not None:
@@ -152,6 +169,13 @@ def resolve_relaxation(tree: AbstractPart, relaxation: Any,
     return relaxation
 
 
+def check_tolerance(relaxation: Relaxation | None, loss: Any, name: str) -> None:
+    """Adaptive inference reads the energy, so it needs the error function's loss."""
+    if relaxation is not None and relaxation.tolerance is not None and loss is None:
+        raise ValueError(f"relaxation: a tolerance stops on the energy, which needs the loss; "
+                         f"error_fn {name!r} has none (pass an ErrorFunction with a loss).")
+
+
 def with_slots(state: PyTree, slots: list[Any]) -> PyTree:
     """`state` with its latents' places (in tree order) holding `slots`."""
     leaves, structure = jax.tree_util.tree_flatten(state, is_leaf=is_latent_state)
@@ -178,8 +202,8 @@ class Relaxed(eqx.Module):
     readout), each latent's feed-forward value (`anchors`) and relaxed shift (`shifts`),
     in tree order, with its energies before every sweep (`per_latent`, None unless
     recorded), the first forward's caches (`first_cache`), the energy at the feed-forward
-    latents (`energy_before`) and the whole tree's energy before every sweep (`trajectory`
-    `(T,)`, None unless recorded)."""
+    latents (`energy_before`), the whole tree's energy before every sweep (`trajectory`
+    `(T,)`, None unless recorded; NaN for sweeps not run) and the sweeps run (`steps`)."""
 
     output: Any
     anchors: list[jax.Array]
@@ -188,6 +212,7 @@ class Relaxed(eqx.Module):
     first_cache: PyTree
     energy_before: jax.Array
     trajectory: jax.Array | None
+    steps: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +252,54 @@ class TreeRelaxation:
             updates, opt_state = self.settings.optimiser.update(gradients, opt_state, shifts)
             return optax.apply_updates(shifts, updates), opt_state
 
+    def _scanned(self, sweep, shifts, opt_state, first):
+        """Sweeps $1 \\dots T-1$ as one `lax.scan`: the shifts, $T$, and (recorded) every
+        sweep's energies `(T, ...)` per latent and its loss `(T,)`."""
+        record = self.settings.record_energy
+
+        def body(carry, _):
+            shifts, opt_state, energies, loss = sweep(*carry)
+            return (shifts, opt_state), (energies, loss) if record else None
+
+        (shifts, _), later = jax.lax.scan(body, (shifts, opt_state), None,
+                                          length=self.settings.steps - 1)
+        if record:
+            later = ([jnp.concatenate([e0[None], e]) for e0, e in zip(first[0], later[0])],
+                     jnp.concatenate([first[1][None], later[1]]))
+        return shifts, jnp.int32(self.settings.steps), later
+
+    def _until_settled(self, sweep, shifts, opt_state, first):
+        """Sweeps until the energy's relative change falls below the tolerance, at most
+        $T$ (one `lax.while_loop`): the shifts, the sweeps run, and the energies as
+        `_scanned`'s (NaN for sweeps not run)."""
+        steps, tolerance = self.settings.steps, self.settings.tolerance
+
+        def total(energies, loss):
+            return sum((jnp.sum(e) for e in energies), jnp.zeros((), jnp.float32)) + loss
+
+        def written(buffers, t, energies, loss):
+            per_latent, losses = buffers
+            return ([b.at[t].set(e) for b, e in zip(per_latent, energies)], losses.at[t].set(loss))
+
+        blank = ([jnp.full((steps, *jnp.shape(e)), jnp.nan, jnp.float32) for e in first[0]],
+                 jnp.full((steps,), jnp.nan, jnp.float32))
+        start = (jnp.int32(1), shifts, opt_state, total(*first), jnp.array(jnp.inf, jnp.float32),
+                 written(blank, 0, *first))
+
+        def going(carry):
+            t, _, _, _, change, _ = carry
+            return (t < steps) & ~(change < tolerance)
+
+        def body(carry):
+            t, shifts, opt_state, previous, _, buffers = carry
+            shifts, opt_state, energies, loss = sweep(shifts, opt_state)
+            now = total(energies, loss)
+            change = jnp.abs(now - previous) / jnp.maximum(jnp.abs(previous), 1e-30)
+            return t + 1, shifts, opt_state, now, change, written(buffers, t, energies, loss)
+
+        t, shifts, _, _, _, buffers = jax.lax.while_loop(going, body, start)
+        return shifts, t, buffers
+
     def relax(self, state: PyTree, x: Any, target: Any, ctx: StepContext,
               row_weight: jax.Array | None = None) -> Relaxed:
         """The $T$ sweeps from the feed-forward latents; what the learning walk needs.
@@ -244,28 +317,24 @@ class TreeRelaxation:
         shifts, opt_state = self._move(shifts, pulls, opt_state)
         first = ([p.energy for p in pulls], loss0)
 
-        def sweep(carry, _):
-            shifts, opt_state = carry
+        def sweep(shifts, opt_state):
             current = with_slots(state, [LatentSlot(a, d) for a, d in zip(anchors, shifts)])
             if fixed:
                 _, pulls, loss = self._walk(current, x, target, sweep_ctx, cache0, y0)
             else:
                 _, pulls, loss = self._walk(current, x, target, sweep_ctx)
             shifts, opt_state = self._move(shifts, pulls, opt_state)
-            return (shifts, opt_state), ([p.energy for p in pulls], loss) if record else None
+            return shifts, opt_state, [p.energy for p in pulls], loss
 
-        record = self.settings.record_energy
-        (shifts, _), later = jax.lax.scan(sweep, (shifts, opt_state), None,
-                                          length=self.settings.steps - 1)
+        run = self._until_settled if self.settings.tolerance is not None else self._scanned
+        shifts, steps, later = run(sweep, shifts, opt_state, first)
         per_latent: list[Any] = [None] * len(anchors)
         trajectory = None
-        if record:  # each latent's energies before every sweep, sweeps last
-            per_latent = [jnp.moveaxis(jnp.concatenate([e0[None], e]), 0, -1)
-                          for e0, e in zip(first[0], later[0])]
+        if self.settings.record_energy:  # each latent's energies before every sweep
+            per_latent = [jnp.moveaxis(e, 0, -1) for e in later[0]]
             totals = [jnp.sum(e, axis=tuple(range(e.ndim - 1))) for e in per_latent]
-            trajectory = sum(totals, jnp.zeros(self.settings.steps, jnp.float32))
-            trajectory = trajectory + jnp.concatenate([first[1][None], later[1]])
-        return Relaxed(y0, anchors, shifts, per_latent, cache0, loss0, trajectory)
+            trajectory = sum(totals, jnp.zeros(self.settings.steps, jnp.float32)) + later[1]
+        return Relaxed(y0, anchors, shifts, per_latent, cache0, loss0, trajectory, steps)
 
     def learning_forward(self, state: PyTree, x: Any, relaxed: Relaxed,
                          ctx: StepContext) -> tuple[Any, PyTree]:
@@ -295,7 +364,8 @@ class TreeRelaxation:
         if relaxed.trajectory is not None:
             trajectory = jnp.concatenate([relaxed.trajectory, after[None]])
         distance = None if backprop is None else state_distance(new_state, backprop, state)
-        return RelaxationReport(relaxed.energy_before, after, trajectory, distance)
+        return RelaxationReport(relaxed.energy_before, after, relaxed.steps, trajectory,
+                                distance)
 
 
 def row_weight(weights: jax.Array) -> jax.Array:
@@ -331,6 +401,7 @@ __all__ = [
     "RelaxationReport",
     "Relaxed",
     "TreeRelaxation",
+    "check_tolerance",
     "has_latents",
     "latent_energy",
     "pulls_of",
