@@ -875,10 +875,12 @@ def test_architecture_flags_reach_the_model_and_the_parameter_count():
 
 def test_latents_flags_reach_the_model_and_the_relaxation():
     settings = {"latents": "all", "latent_precision": 2.0, "inference_steps": 5,
-                "inference_rate": 0.3}
+                "inference_rate": 0.3, "inference_tolerance": 1e-3}
     config = _settings.config_from_settings(settings)
     assert config.model.latents == "all" and config.model.latent_precision == 2.0
     assert (config.model.relaxation_steps, config.model.relaxation_rate) == (5, 0.3)
+    assert config.model.relaxation_tolerance == 1e-3
+    assert _settings.config_from_settings({}).model.relaxation_tolerance is None  # 0: none
     written = _settings.config_settings(config)
     assert {k: written[k] for k in settings} == settings  # what config.toml records
     assert config.model.learning_kwargs is None  # not the iterative kind's
@@ -886,6 +888,8 @@ def test_latents_flags_reach_the_model_and_the_relaxation():
         _settings.config_from_settings({"latents": "some"}).model.validate()
     with pytest.raises(ValueError, match="GPTConfig.relaxation_steps must be an integer >= 1"):
         _settings.config_from_settings({"latents": "all", "inference_steps": 0}).model.validate()
+    with pytest.raises(ValueError, match="GPTConfig.relaxation_tolerance must be None or"):
+        _settings.config_from_settings({"inference_tolerance": -1.0}).model.validate()
 
 
 @pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
@@ -894,11 +898,13 @@ def test_a_fully_pc_transformer_trains_logs_its_energies_and_resumes(train_cli, 
     the log has each latent's energy and the `<relaxation>` row (lower after), the config
     records the setting, latent_energy.png is drawn, and a resumed run is bit-identical."""
     whole, split = tmp_path / "whole", tmp_path / "split"
-    flags = ("--latents", "all", "--inference-steps", "3", "--inference-rate", "0.2")
+    flags = ("--latents", "all", "--inference-steps", "3", "--inference-rate", "0.2",
+             "--inference-tolerance", "1e-9")
     assert train_cli(*flags, "--steps", "10", "--out", str(whole)) == 0
     reports = _records(whole, "report")
     relaxation = [r for r in reports if r["part"] == "<relaxation>"]
     assert relaxation and all(r["energy_after"] < r["energy_before"] for r in relaxation)
+    assert all(r["steps"] == 3 for r in relaxation)  # the sweeps run reach the log
     assert any("energy" in r and r["part"].endswith("parts[1]") for r in reports)
     text = (whole / "config.toml").read_text()
     assert 'latents = "all"' in text and "inference_steps = 3" in text

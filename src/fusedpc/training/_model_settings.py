@@ -5,7 +5,8 @@ A setting of the model has the name of the `GPTConfig` field it sets (`n_heads`,
 `max_len`, ...), plus the learning keywords a run takes: `window`
 (`GPTConfig.learning_kwargs["window"]` of `synaptic_uncertainty`), and `inference_steps` and
 `inference_rate` (of `"iterative"`, and of a model with latents: its
-`relaxation_steps` and `relaxation_rate`).
+`relaxation_steps` and `relaxation_rate`), and `inference_tolerance` (a model with latents'
+`relaxation_tolerance`; 0 in the file: none).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ MODEL_SETTINGS = (
     "width", "n_heads", "n_blocks", "ff_width", "max_len", "learn", "learning_kind", "window",
     "inference_steps", "inference_rate", "head_kind", "fused_qkv", "hidden_precision", "scan",
     "attention_mixing", "compute_dtype", "norm", "positions", "feed_forward", "latents",
-    "latent_precision",
+    "latent_precision", "inference_tolerance",
 )
 """The settings of `TrainConfig.model`: `GPTConfig` fields by their own names, and the learning
 keywords (`LEARNING_SETTINGS`)."""
@@ -35,8 +36,10 @@ def model_settings(model: GPTConfig) -> dict[str, Any]:
     """The flat settings of `model` (`MODEL_SETTINGS`; a learning keyword that
     `learning_kwargs` lacks at its default)."""
     out = {
-        name: getattr(model, name) for name in MODEL_SETTINGS if name not in LEARNING_DEFAULTS
+        name: getattr(model, name) for name in MODEL_SETTINGS
+        if name not in LEARNING_DEFAULTS and name != "inference_tolerance"
     }
+    out["inference_tolerance"] = float(model.relaxation_tolerance or 0.0)
     if not isinstance(out["learn"], str):
         out["learn"] = ",".join(out["learn"])
     given = dict(model.learning_kwargs or {})
@@ -52,6 +55,8 @@ def model_from(model: GPTConfig, settings: dict[str, Any]) -> GPTConfig:
     """`model` with the model `settings` (`MODEL_SETTINGS` names) applied."""
     merged = {**model_settings(model), **settings}
     learning = {name: merged.pop(name) for name in LEARNING_DEFAULTS}
+    tolerance = float(merged.pop("inference_tolerance"))
+    merged["relaxation_tolerance"] = None if tolerance == 0 else tolerance  # < 0: refused
     # As in fusedpc 0.1: a learning keyword reaches the model only with the kind that uses it.
     names = LEARNING_SETTINGS.get(merged["learning_kind"], ())
     kwargs = {name: learning[name] for name in names} or None

@@ -168,7 +168,8 @@ def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
         mesh=mesh,
         settings=config.step_settings,
         relaxation=None if gpt.latents == "none" else Relaxation(
-            steps=gpt.relaxation_steps, rate=gpt.relaxation_rate),
+            steps=gpt.relaxation_steps, rate=gpt.relaxation_rate,
+            tolerance=gpt.relaxation_tolerance),
     )
 
 

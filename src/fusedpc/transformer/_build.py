@@ -47,7 +47,9 @@ class GPTConfig:
     `latents` (`"none"`, `"blocks"`, `"all"`) puts `fusedpc.Latent`s of precision
     `latent_precision` in the GPT (`fusedpc.transformer.with_latents`): its step then
     relaxes them on the one energy of the whole transformer, `relaxation_steps` sweeps at
-    `relaxation_rate` (what `fusedpc train` makes its `fusedpc.Relaxation` of).
+    `relaxation_rate`, or fewer once the energy's relative change is below
+    `relaxation_tolerance` (None: always all; what `fusedpc train` makes its
+    `fusedpc.Relaxation` of).
     """
 
     vocab_size: int = 65
@@ -72,6 +74,7 @@ class GPTConfig:
     latent_precision: float = 1.0
     relaxation_steps: int = 8
     relaxation_rate: float = 0.1
+    relaxation_tolerance: float | None = None
 
     def learning_slots(self) -> tuple[str, ...]:
         """The slots that learn, in `SLOTS` order for a preset (without `"position"` under
@@ -150,6 +153,11 @@ class GPTConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"GPTConfig.{name} must be a finite number > 0, got {value!r}.")
+        tolerance = self.relaxation_tolerance
+        if tolerance is not None and not (isinstance(tolerance, int | float)
+                                          and math.isfinite(tolerance) and tolerance > 0):
+            raise ValueError(f"GPTConfig.relaxation_tolerance must be None or a finite number "
+                             f"> 0, got {tolerance!r}.")
         if isinstance(self.relaxation_steps, bool) or not isinstance(
                 self.relaxation_steps, int) or self.relaxation_steps < 1:
             raise ValueError(f"GPTConfig.relaxation_steps must be an integer >= 1, got "
