@@ -368,6 +368,8 @@ CONFORMANCE_CASES: dict[str, Case] = {
     ),
     "user_learning_part": lambda: (delta_linear(30, 4, 3), normal(111, (6, 4))),
     "hybrid_tree": lambda: (_hybrid_tree(), normal(112, (6, 4))),
+    # the identity wherever no relaxation runs (a check, `as_module`, `predict`)
+    "latent": lambda: (fusedpc.Latent(2.0), normal(113, (2, 3, 4))),
 }
 
 

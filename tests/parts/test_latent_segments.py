@@ -28,7 +28,7 @@ EXTRA_CASES = {
         inference_steps=3), normal(122, (6, 4))),
 }
 CASES = {name: case for name, case in {**CONFORMANCE_CASES, **EXTRA_CASES}.items()
-         if name != "gpt"}  # a GPT with latents: tests/transformer/test_gpt_latents.py
+         if name not in ("gpt", "latent")}  # a GPT: test_gpt_latents.py; a latent: no segment
 # three seconds or more each (the fast loop leaves them out)
 SLOW = {"repeat_scanned", "repeat_unrolled", "hybrid_tree", "autodiff_mlp", "learning_conv",
         "iterative_network", "attention_frozen_slots", "attention_fused_learning_qkv"}
