@@ -7,7 +7,8 @@ Adam 1e-3): `tree_pc_T<T>` is `GPTConfig(latents="all")` (a latent after every s
 for T sweeps at `--inference-rate` (`fusedpc.Relaxation`), `tree_pc_fixed_T<T>` the same under
 fixed prediction (sweeps are backward walks only), `tree_pc_blocks_T<T>` a latent after the
 embedding and every block, `tree_pc_adaptive_T<T>` adaptive inference at a tolerance never
-met (a `lax.while_loop` that runs all T sweeps: its cost beside the scan's). Each
+met (a `lax.while_loop` that runs all T sweeps: its cost beside the scan's),
+`tree_pc_incremental_T<T>` incremental PC (the weights step at every sweep). Each
 measurement prints one JSON line per variant:
 
 * `step`: every variant built in this process, then timed call by call in turn (one call of
@@ -46,7 +47,8 @@ def _variant(name: str, rate: float):
     # `tree_pc_adaptive`: a tolerance that is never met, so the while loop runs all T sweeps
     relaxation = fusedpc.Relaxation(steps=int(steps), rate=rate,
                                     fixed_prediction=kind == "tree_pc_fixed",
-                                    tolerance=1e-30 if kind == "tree_pc_adaptive" else None)
+                                    tolerance=1e-30 if kind == "tree_pc_adaptive" else None,
+                                    incremental=kind == "tree_pc_incremental")
     return fusedpc.GPTConfig(**CONFIG_S, learn="all", latents=latents), relaxation
 
 
@@ -183,7 +185,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("step", "compile"), default=None)
     parser.add_argument("--variants", type=_names, default=_names(
         "tree_pc_T1,tree_pc_T4,tree_pc_T8,tree_pc_T16,tree_pc_fixed_T8,tree_pc_blocks_T8,"
-        "tree_pc_adaptive_T8"),
+        "tree_pc_adaptive_T8,tree_pc_incremental_T8"),
         help="the variants timed beside the single sweep and the twin")
     parser.add_argument("--compile-variants", type=_names,
                         default=_names("tree_pc_T8,tree_pc_T64"),

@@ -881,6 +881,10 @@ def test_latents_flags_reach_the_model_and_the_relaxation():
     assert (config.model.relaxation_steps, config.model.relaxation_rate) == (5, 0.3)
     assert config.model.relaxation_tolerance == 1e-3
     assert _settings.config_from_settings({}).model.relaxation_tolerance is None  # 0: none
+    incremental = _settings.config_from_settings({"latents": "all",
+                                                  "incremental_inference": True})
+    assert incremental.model.relaxation_incremental
+    assert _settings.config_settings(incremental)["incremental_inference"] is True
     written = _settings.config_settings(config)
     assert {k: written[k] for k in settings} == settings  # what config.toml records
     assert config.model.learning_kwargs is None  # not the iterative kind's

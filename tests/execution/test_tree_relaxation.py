@@ -68,7 +68,8 @@ def _target(a, head: str):
     return (a["t"] > 0).astype(jnp.float32)
 
 
-def _reference(a, head, steps, rate, precisions=(1.0, 2.0), latent_optimiser=None):
+def _reference(a, head, steps, rate, precisions=(1.0, 2.0), latent_optimiser=None,
+               incremental=False):
     """Float64: the energy's gradient by `jax.grad`, `steps` descent steps on the latents
     from their feed-forward values, then the SGD step of the learning network from the
     energy's gradient at the relaxed latents. Returns the energy before each step and after
@@ -98,9 +99,12 @@ def _reference(a, head, steps, rate, precisions=(1.0, 2.0), latent_optimiser=Non
         opt = latent_optimiser
         opt_state = None if opt is None else opt.init(z)
         trajectory = []
-        for _ in range(steps):
+        for sweep in range(steps):
             trajectory.append(float(energy(z, p, p["x"])))
             g = jax.tree_util.tree_map(lambda v: R * v, jax.grad(energy)(z, p, p["x"]))
+            if incremental and sweep > 0:  # the weights step too, from the same point
+                step = jax.grad(energy, argnums=1)(z, p, p["x"])
+                p = {k: v - LR * step[k] if k in LEARNED else v for k, v in p.items()}
             if opt is None:
                 z = jax.tree_util.tree_map(lambda v, d: v - rate * d, z, g)
             else:
@@ -408,3 +412,37 @@ def test_adaptive_inference_needs_a_loss_and_a_positive_tolerance():
                           relaxation=fusedpc.Relaxation(tolerance=1e-3))
     with pytest.raises(ValueError, match="tolerance must be None or a finite number > 0"):
         fusedpc.Relaxation(tolerance=0.0)
+
+
+@pytest.mark.slow
+def test_incremental_relaxation_steps_the_weights_at_every_sweep_as_its_reference():
+    a = _arrays(12)
+    relaxation = fusedpc.Relaxation(steps=5, rate=0.2, incremental=True, record_energy=True)
+    carry, out = _run(a, "gaussian", relaxation)
+    trajectory, new, _ = _reference(a, "gaussian", 5, 0.2, incremental=True)
+    np.testing.assert_allclose(out.metrics.relaxation.energy_trajectory, trajectory,
+                               rtol=2e-5, atol=1e-6)
+    for got, want in zip(_network_state(carry), new):
+        assert _rel(got, want) < 1e-5
+    standard, _ = _run(a, "gaussian", fusedpc.Relaxation(steps=5, rate=0.2))
+    assert max(_rel(g, w) for g, w in zip(_network_state(carry), _network_state(standard))) > 1e-3
+
+
+def test_incremental_relaxation_of_one_sweep_is_the_standard_one():
+    a = _arrays(13)
+    carry, _ = _run(a, "gaussian", fusedpc.Relaxation(steps=1, incremental=True))
+    standard, _ = _run(a, "gaussian", fusedpc.Relaxation(steps=1))
+    for got, want in zip(_network_state(carry), _network_state(standard)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_incremental_relaxation_refuses_what_it_cannot_honour():
+    with pytest.raises(ValueError, match="incremental learns at every sweep"):
+        fusedpc.Relaxation(incremental=True, fixed_prediction=True)
+    with pytest.raises(ValueError, match="incremental learns at every sweep"):
+        fusedpc.Relaxation(incremental=True, tolerance=1e-3)
+    a = _arrays()
+    program = fusedpc.make_step(_hybrid(a), "squared",
+                                relaxation=fusedpc.Relaxation(steps=2, incremental=True))
+    with pytest.raises(ValueError, match="mask: an incremental relaxation"):
+        program.step(program.init(jax.random.key(0)), a["x"], a["t"], jnp.ones(R))

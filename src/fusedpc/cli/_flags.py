@@ -29,6 +29,8 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--inference-rate", "step size of the latents' and the iterative kind's relaxation"),
     ("--inference-tolerance", "with --latents: stop the sweeps once the energy's relative "
      "change falls below this (at most --inference-steps); 0: always all"),
+    ("--incremental-inference", "true, with --latents: incremental PC, the weights step at "
+     "every sweep too"),
     ("--head-kind", "gaussian (logits) or categorical (probabilities)"),
     ("--fused-qkv", "true: the learning query, key and value projections as one fused part"),
     ("--hidden-precision", "precision of the feed-forward's hidden-layer errors"),

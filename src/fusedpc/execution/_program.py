@@ -43,7 +43,7 @@ from fusedpc.core._part import AbstractPart, Core, PyTree
 from fusedpc.core._precision import widened
 from fusedpc.execution._rows import apply_row_mask, copy_tree, normalise_active
 from fusedpc.execution._scan import max_update_ratio, scan_steps
-from fusedpc.execution._step_settings import StepSettings
+from fusedpc.execution._step_settings import StepSettings, settings_property
 from fusedpc.execution._step_types import (
     LOSS_MEAN_HORIZON,
     LOSS_SPIKE_WARMUP,
@@ -63,16 +63,6 @@ from fusedpc.execution._tree_relaxation import (
     resolve_relaxation,
     row_weight,
 )
-
-
-def _setting(name: str) -> Any:
-    """A read-only property of a `StepProgram`: `program.settings.<name>`."""
-
-    def read(program: StepProgram) -> Any:
-        return getattr(program.settings, name)
-
-    read.__name__ = name
-    return property(read, doc=f"`settings.{name}`")
 
 
 class StepProgram:
@@ -125,11 +115,11 @@ class StepProgram:
         self.derived: dict[str, Any] = {}
 
     # the settings one by one, read-only
-    nonfinite = _setting("nonfinite")
-    max_update_ratio = _setting("max_update_ratio")
-    loss_spike = _setting("loss_spike")
-    clip_global_norm = _setting("clip_global_norm")
-    compute_dtype = _setting("compute_dtype")
+    nonfinite = settings_property("nonfinite")
+    max_update_ratio = settings_property("max_update_ratio")
+    loss_spike = settings_property("loss_spike")
+    clip_global_norm = settings_property("clip_global_norm")
+    compute_dtype = settings_property("compute_dtype")
 
     def __repr__(self) -> str:
         guards = "".join(
@@ -205,7 +195,7 @@ class StepProgram:
         """
         state, counters = carry.state, carry.counters
         ctx = StepContext(compute_dtype=self.compute_dtype)
-        y, top, cache, relaxed = self._forward_walks(state, x, target, ctx)
+        y, top, cache, relaxed = self._forward_walks(state, x, target, ctx, mask)
         checks = self.input_checks(x, target, int(jnp.shape(y)[-1]))
         error, weights, checked_mask = self._output_error(top, target, mask)
         detailed = bool(detailed) or self.max_update_ratio is not None
@@ -213,7 +203,7 @@ class StepProgram:
         ctx = ctx.replace(detailed=detailed, measured=measured,
                           error_scale=None if weights is None else row_mask_scale(weights))
         walk_state = state if relaxed is None else self._relaxing.learning_state(
-            state, relaxed, None if weights is None else row_weight(weights))
+            relaxed.tree_state, relaxed, None if weights is None else row_weight(weights))
         input_error, new_state, part_metrics = self._backward(walk_state, cache, error, ctx)
         loss = self._loss(y, target, weights)
         # One flag per state leaf, then one rule for all (the same flags name the part in
@@ -261,15 +251,21 @@ class StepProgram:
             raise AssertionError("StepProgram: a relaxation was asked of a tree without one.")
         return self._tree
 
-    def _forward_walks(self, state: PyTree, x: Any, target: Any, ctx: StepContext):
+    def _forward_walks(self, state: PyTree, x: Any, target: Any, ctx: StepContext,
+                       mask: Any = None):
         """The step's forward: `(output, top, cache, relaxed)`. Without latents the forward
         walk (`top` is the output); with them the relaxation (`relaxed`), the feed-forward
         readout as the output and the learning walk's forward (its output `top`)."""
         if self._tree is None:
             y, cache = self._forward(state, x, ctx)
             return y, y, cache, None
-        relaxed = self._tree.relax(state, x, target, ctx)
-        top, cache = self._tree.learning_forward(state, x, relaxed, ctx)
+        if mask is not None and self._tree.settings.incremental:
+            raise ValueError(
+                "mask: an incremental relaxation learns at every sweep from errors that a "
+                "mask would scale row by row, moving each row's latents by its weight; "
+                "train on the real rows alone, or use Relaxation(incremental=False).")
+        relaxed = self._tree.relax(state, x, target, ctx, learn=self._backward)
+        top, cache = self._tree.learning_forward(relaxed.tree_state, x, relaxed, ctx)
         return relaxed.output, top, cache, relaxed
 
     def _backprop_twin(self, state: PyTree, relaxed: Any, y: Any, target: Any, mask: Any,

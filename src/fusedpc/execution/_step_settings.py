@@ -90,4 +90,14 @@ class StepSettings:
         return settings
 
 
-__all__ = ["NONFINITE_POLICIES", "StepSettings", "check_bound"]
+def settings_property(name: str) -> Any:
+    """A read-only property of a `StepProgram`: `program.settings.<name>`."""
+
+    def read(program: Any) -> Any:
+        return getattr(program.settings, name)
+
+    read.__name__ = name
+    return property(read, doc=f"`settings.{name}`")
+
+
+__all__ = ["NONFINITE_POLICIES", "StepSettings", "check_bound", "settings_property"]

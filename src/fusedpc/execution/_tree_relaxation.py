@@ -46,6 +46,7 @@ from fusedpc.parts._latent import (
     LatentMetrics,
     LatentPull,
     LatentSlot,
+    LatentState,
     is_latent_pull,
     is_latent_state,
 )
@@ -77,6 +78,10 @@ class Relaxation:
             less than `tolerance` relative to it, at most `steps` (one `lax.while_loop`;
             the sweeps run reach `RelaxationReport.steps`). Needs an error function with a
             loss.
+        incremental: incremental PC (iPC): the weights step at every sweep too, each part
+            through its own optimiser, from the errors at that sweep's latents; the step
+            takes `steps` weight steps (the sweeps after the first, then the learning walk).
+            Not with `fixed_prediction`, a `tolerance` or a row mask.
     """
 
     steps: int = 8
@@ -86,6 +91,7 @@ class Relaxation:
     record_energy: bool = False
     backprop_distance: bool = False
     tolerance: float | None = None
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         steps = self.steps
@@ -111,8 +117,12 @@ class Relaxation:
             object.__setattr__(self, "tolerance", tolerance)
         object.__setattr__(self, "steps", int(steps))
         object.__setattr__(self, "rate", rate)
-        for name in ("fixed_prediction", "record_energy", "backprop_distance"):
+        for name in ("fixed_prediction", "record_energy", "backprop_distance", "incremental"):
             object.__setattr__(self, name, bool(getattr(self, name)))
+        if self.incremental and (self.fixed_prediction or self.tolerance is not None):
+            raise ValueError("Relaxation: incremental learns at every sweep from the sweep's own "
+                             "predictions, so it takes neither fixed_prediction nor a "
+                             "tolerance.")
 
 
 class RelaxationReport(eqx.Module):
@@ -203,7 +213,9 @@ class Relaxed(eqx.Module):
     in tree order, with its energies before every sweep (`per_latent`, None unless
     recorded), the first forward's caches (`first_cache`), the energy at the feed-forward
     latents (`energy_before`), the whole tree's energy before every sweep (`trajectory`
-    `(T,)`, None unless recorded; NaN for sweeps not run) and the sweeps run (`steps`)."""
+    `(T,)`, None unless recorded; NaN for sweeps not run), the sweeps run (`steps`) and the
+    tree's state the learning walk starts from (`tree_state`: the step's own, or under
+    incremental relaxation the state after the sweeps' weight steps)."""
 
     output: Any
     anchors: list[jax.Array]
@@ -213,6 +225,7 @@ class Relaxed(eqx.Module):
     energy_before: jax.Array
     trajectory: jax.Array | None
     steps: jax.Array
+    tree_state: PyTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,23 +265,24 @@ class TreeRelaxation:
             updates, opt_state = self.settings.optimiser.update(gradients, opt_state, shifts)
             return optax.apply_updates(shifts, updates), opt_state
 
-    def _scanned(self, sweep, shifts, opt_state, first):
-        """Sweeps $1 \\dots T-1$ as one `lax.scan`: the shifts, $T$, and (recorded) every
-        sweep's energies `(T, ...)` per latent and its loss `(T,)`."""
+    def _scanned(self, sweep, shifts, carried, first):
+        """Sweeps $1 \\dots T-1$ as one `lax.scan`: the shifts, what the sweeps carry
+        besides (the latents' optimiser state, an incremental sweep's tree state), $T$, and
+        (recorded) every sweep's energies `(T, ...)` per latent and its loss `(T,)`."""
         record = self.settings.record_energy
 
         def body(carry, _):
-            shifts, opt_state, energies, loss = sweep(*carry)
-            return (shifts, opt_state), (energies, loss) if record else None
+            shifts, carried, energies, loss = sweep(*carry)
+            return (shifts, carried), (energies, loss) if record else None
 
-        (shifts, _), later = jax.lax.scan(body, (shifts, opt_state), None,
-                                          length=self.settings.steps - 1)
+        (shifts, carried), later = jax.lax.scan(body, (shifts, carried), None,
+                                                length=self.settings.steps - 1)
         if record:
             later = ([jnp.concatenate([e0[None], e]) for e0, e in zip(first[0], later[0])],
                      jnp.concatenate([first[1][None], later[1]]))
-        return shifts, jnp.int32(self.settings.steps), later
+        return shifts, carried, jnp.int32(self.settings.steps), later
 
-    def _until_settled(self, sweep, shifts, opt_state, first):
+    def _until_settled(self, sweep, shifts, carried, first):
         """Sweeps until the energy's relative change falls below the tolerance, at most
         $T$ (one `lax.while_loop`): the shifts, the sweeps run, and the energies as
         `_scanned`'s (NaN for sweeps not run)."""
@@ -283,7 +297,7 @@ class TreeRelaxation:
 
         blank = ([jnp.full((steps, *jnp.shape(e)), jnp.nan, jnp.float32) for e in first[0]],
                  jnp.full((steps,), jnp.nan, jnp.float32))
-        start = (jnp.int32(1), shifts, opt_state, total(*first), jnp.array(jnp.inf, jnp.float32),
+        start = (jnp.int32(1), shifts, carried, total(*first), jnp.array(jnp.inf, jnp.float32),
                  written(blank, 0, *first))
 
         def going(carry):
@@ -291,20 +305,21 @@ class TreeRelaxation:
             return (t < steps) & ~(change < tolerance)
 
         def body(carry):
-            t, shifts, opt_state, previous, _, buffers = carry
-            shifts, opt_state, energies, loss = sweep(shifts, opt_state)
+            t, shifts, carried, previous, _, buffers = carry
+            shifts, carried, energies, loss = sweep(shifts, carried)
             now = total(energies, loss)
             change = jnp.abs(now - previous) / jnp.maximum(jnp.abs(previous), 1e-30)
-            return t + 1, shifts, opt_state, now, change, written(buffers, t, energies, loss)
+            return t + 1, shifts, carried, now, change, written(buffers, t, energies, loss)
 
-        t, shifts, _, _, _, buffers = jax.lax.while_loop(going, body, start)
-        return shifts, t, buffers
+        t, shifts, carried, _, _, buffers = jax.lax.while_loop(going, body, start)
+        return shifts, carried, t, buffers
 
     def relax(self, state: PyTree, x: Any, target: Any, ctx: StepContext,
-              row_weight: jax.Array | None = None) -> Relaxed:
+              learn: Any = None) -> Relaxed:
         """The $T$ sweeps from the feed-forward latents; what the learning walk needs.
-        `row_weight` (rows...) is what a mask makes of each row's learning error (None: 1)."""
-        fixed = self.settings.fixed_prediction
+        `learn(state, cache, error, ctx) -> (input_error, new_state, metrics)` is the step's
+        learning backward (global clipping included), which incremental sweeps take."""
+        fixed, incremental = self.settings.fixed_prediction, self.settings.incremental
         sweep_ctx = ctx.for_inner_trace().replace(learning=False, detailed=False)
         y0, cache0 = self.core.forward(state, x, ctx)
         y0 = jax.tree_util.tree_map(widened, y0)
@@ -317,24 +332,45 @@ class TreeRelaxation:
         shifts, opt_state = self._move(shifts, pulls, opt_state)
         first = ([p.energy for p in pulls], loss0)
 
-        def sweep(shifts, opt_state):
-            current = with_slots(state, [LatentSlot(a, d) for a, d in zip(anchors, shifts)])
-            if fixed:
+        def sweep(shifts, carried):
+            opt_state, tree_state = carried
+            slots = [LatentSlot(a, d, pulled=incremental) for a, d in zip(anchors, shifts)]
+            current = with_slots(state if tree_state is None else tree_state, slots)
+            if incremental:
+                tree_state, pulls, loss = self._learning_sweep(current, x, target, ctx, learn)
+            elif fixed:
                 _, pulls, loss = self._walk(current, x, target, sweep_ctx, cache0, y0)
             else:
                 _, pulls, loss = self._walk(current, x, target, sweep_ctx)
             shifts, opt_state = self._move(shifts, pulls, opt_state)
-            return shifts, opt_state, [p.energy for p in pulls], loss
+            return shifts, (opt_state, tree_state), [p.energy for p in pulls], loss
 
         run = self._until_settled if self.settings.tolerance is not None else self._scanned
-        shifts, steps, later = run(sweep, shifts, opt_state, first)
+        shifts, (_, tree_state), steps, later = run(
+            sweep, shifts, (opt_state, state if incremental else None), first)
         per_latent: list[Any] = [None] * len(anchors)
         trajectory = None
         if self.settings.record_energy:  # each latent's energies before every sweep
             per_latent = [jnp.moveaxis(e, 0, -1) for e in later[0]]
             totals = [jnp.sum(e, axis=tuple(range(e.ndim - 1))) for e in per_latent]
             trajectory = sum(totals, jnp.zeros(self.settings.steps, jnp.float32)) + later[1]
-        return Relaxed(y0, anchors, shifts, per_latent, cache0, loss0, trajectory, steps)
+        return Relaxed(y0, anchors, shifts, per_latent, cache0, loss0, trajectory, steps,
+                       state if tree_state is None else tree_state)
+
+    def _learning_sweep(self, current: PyTree, x: Any, target: Any, ctx: StepContext,
+                        learn: Any):
+        """An incremental sweep: the forward at `current`'s latents and weights and the
+        learning backward, which steps every part and hands back each latent's pull. Returns
+        the new state (the latents' own places restored), the pulls and the loss."""
+        inner = ctx.for_inner_trace().replace(detailed=False)
+        top, cache = self.core.forward(current, x, inner)
+        top = jax.tree_util.tree_map(widened, top)
+        _, learned, _ = learn(current, cache, self.error(top, target), inner)
+        pulls = pulls_of(learned)
+        restored = jax.tree_util.tree_map(
+            lambda leaf: LatentState() if is_latent_pull(leaf) else leaf, learned,
+            is_leaf=is_latent_pull)
+        return restored, pulls, self._loss(top, target)
 
     def learning_forward(self, state: PyTree, x: Any, relaxed: Relaxed,
                          ctx: StepContext) -> tuple[Any, PyTree]:

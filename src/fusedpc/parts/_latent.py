@@ -57,12 +57,14 @@ class LatentSlot(eqx.Module):
     feed-forward value `anchor` $\\hat\\mu_b$ and the `shift` $\\delta_b$ (the latent is
     $z_b = \\hat\\mu_b + \\delta_b$, float32, the latent's own shape), and for the learning
     walk the row `weight` of a mask (`(rows..., 1)`, None without one) and the energy
-    `trajectory` to report (None unless recorded)."""
+    `trajectory` to report (None unless recorded). `pulled` (static): a learning walk that
+    also hands back the latent's `LatentPull` (incremental relaxation)."""
 
     anchor: jax.Array
     shift: jax.Array
     weight: jax.Array | None = None
     trajectory: jax.Array | None = None
+    pulled: bool = eqx.field(static=True, default=False)
 
 
 class LatentPull(eqx.Module):
@@ -155,9 +157,11 @@ class Latent(AbstractPart):
             eps = (state.anchor - prediction) + state.shift  # z - mu, the shift where mu held
             energy = _row_energy(eps, precision)
             down = -precision * eps
-            if not ctx.learning:
+            if not ctx.learning or state.pulled:
                 pull = LatentPull(state.anchor, precision * eps + widened(error), energy)
-                return ctx.to_compute(down), pull, _flag(pull.gradient)
+                if not ctx.learning:
+                    return ctx.to_compute(down), pull, _flag(pull.gradient)
+                return ctx.to_compute(down), pull, LatentMetrics(energy, jnp.isfinite(energy))
             if state.weight is not None:
                 down = down * state.weight
             trajectory = state.trajectory

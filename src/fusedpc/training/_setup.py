@@ -169,7 +169,7 @@ def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
         settings=config.step_settings,
         relaxation=None if gpt.latents == "none" else Relaxation(
             steps=gpt.relaxation_steps, rate=gpt.relaxation_rate,
-            tolerance=gpt.relaxation_tolerance),
+            tolerance=gpt.relaxation_tolerance, incremental=gpt.relaxation_incremental),
     )
 
 

@@ -48,8 +48,8 @@ class GPTConfig:
     `latent_precision` in the GPT (`fusedpc.transformer.with_latents`): its step then
     relaxes them on the one energy of the whole transformer, `relaxation_steps` sweeps at
     `relaxation_rate`, or fewer once the energy's relative change is below
-    `relaxation_tolerance` (None: always all; what `fusedpc train` makes its
-    `fusedpc.Relaxation` of).
+    `relaxation_tolerance` (None: always all), the weights stepping at every sweep with
+    `relaxation_incremental` (what `fusedpc train` makes its `fusedpc.Relaxation` of).
     """
 
     vocab_size: int = 65
@@ -75,6 +75,7 @@ class GPTConfig:
     relaxation_steps: int = 8
     relaxation_rate: float = 0.1
     relaxation_tolerance: float | None = None
+    relaxation_incremental: bool = False
 
     def learning_slots(self) -> tuple[str, ...]:
         """The slots that learn, in `SLOTS` order for a preset (without `"position"` under
