@@ -1,0 +1,70 @@
+"""The request loop that every peer side runs, and what the sides share.
+
+A side is started by `scripts/tree_pc_peers.py` with its own library's python, and answers
+one JSON request a line on stdin, `{"cmd": name, "args": {...}}`, with one JSON line on
+stdout (`{"error": "..."}` when the handler raised); `{"cmd": "quit"}` ends it. Everything
+a library prints goes to stderr, so stdout carries the answers only. Standard library and
+numpy only: this file runs in every peer's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+
+WARM = 3
+"""Calls of a step before any timing: the first compiles, and a library whose pytrees
+change shape after a step (PCX's optimiser and vode caches) retraces on the second."""
+
+
+def serve(handlers: dict[str, Callable[..., dict]]) -> None:
+    """Answer requests until `quit` or the end of stdin."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever the library prints, C level included, goes to stderr
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        if request["cmd"] == "quit":
+            break
+        try:
+            answer = handlers[request["cmd"]](**request.get("args", {}))
+        except Exception as error:  # noqa: BLE001 - handed back to the driver as text
+            traceback.print_exc()
+            answer = {"error": f"{type(error).__name__}: {error}"}
+        answers.write(json.dumps(answer) + "\n")
+
+
+def load(path: str) -> dict[str, np.ndarray]:
+    """The arrays the driver wrote (`np.savez`)."""
+    with np.load(path) as arrays:
+        return {name: arrays[name] for name in arrays.files}
+
+
+def first_calls(one_step: Callable[[int], None], sync: Callable[[], None]) -> float:
+    """Seconds of the first call of `one_step(0)` (compiling); then `WARM - 1` more."""
+    start = time.perf_counter()
+    one_step(0)
+    sync()
+    seconds = time.perf_counter() - start
+    for i in range(1, WARM):
+        one_step(i)
+    sync()
+    return round(seconds, 3)
+
+
+def ms_per_step(n: int, one_step: Callable[[int], None], sync: Callable[[], None]) -> float:
+    """Milliseconds per step of `n` calls of `one_step(i)`, dispatched without a host sync
+    in between and then waited for (`sync`)."""
+    start = time.perf_counter()
+    for i in range(n):
+        one_step(i)
+    sync()
+    return (time.perf_counter() - start) / n * 1e3
