@@ -214,7 +214,7 @@ def test_fixed_prediction_converges_to_the_backprop_step_as_the_sweeps_grow():
     a = _arrays(3)
     twin = _backprop_twin(a)["float64"]
     gaps = []
-    for steps in (2, 8, 32, 96):
+    for steps in (2, 16, 96):
         carry, _ = _run(a, "gaussian",
                         fusedpc.Relaxation(steps=steps, rate=0.3, fixed_prediction=True))
         gaps.append(max(_rel(g, w) for g, w in zip(_network_state(carry), twin)))

@@ -101,6 +101,8 @@ def test_every_boundary_a_latent_at_the_z_il_rate_is_the_backprop_step(scan):
     exact_gap = _rel(np.concatenate([d.ravel() for d in exact]),
                      np.concatenate([d.ravel() for d in twin]))
     assert pc_gap <= max(2 * exact_gap, 1e-5), (pc_gap, exact_gap)
+    if not scan:
+        return  # the control below once is enough (one compile less in the suite)
     # after two sweeps only the paths of at most two latents have carried the error
     short = fusedpc.Relaxation(steps=2, rate=1.0, fixed_prediction=True)
     early, _ = _deltas(config, short, ids, targets)
@@ -114,14 +116,14 @@ def test_fixed_prediction_on_a_gpt_converges_to_the_backprop_step_as_the_sweeps_
     config = fusedpc.GPTConfig(**TINY, latents="all")
     gaps = []
     twin = None
-    for steps in (4, 16, 64):
+    for steps in (8, 64):
         pc, reference = _deltas(config, fusedpc.Relaxation(steps=steps, rate=0.5,
                                                            fixed_prediction=True), ids, targets)
         twin = _twin_deltas(reference, ids, targets) if twin is None else twin
         gaps.append(_rel(np.concatenate([d.ravel() for d in pc]),
                          np.concatenate([d.ravel() for d in twin])))
-    assert gaps[0] > gaps[1] > gaps[2], gaps
-    assert gaps[2] < 1e-4, gaps
+    assert gaps[0] > 10 * gaps[1], gaps
+    assert gaps[1] < 1e-4, gaps
 
 
 @pytest.mark.slow
