@@ -68,6 +68,7 @@ from fusedpc.parts import ResidualState as ResidualState
 from fusedpc.parts import Sequential as Sequential
 from fusedpc.parts import SequentialState as SequentialState
 from fusedpc.parts import TableParams as TableParams
+from fusedpc.parts import residual_pc_network as residual_pc_network
 from fusedpc.training import PartCalibration as PartCalibration
 from fusedpc.training import TrainConfig as TrainConfig
 from fusedpc.training import calibrate as calibrate

@@ -16,6 +16,7 @@ from fusedpc.parts.frozen import layer_norm as layer_norm
 from fusedpc.parts.frozen import linear as linear
 from fusedpc.parts.frozen import relu as relu
 from fusedpc.parts.frozen import rms_norm as rms_norm
+from fusedpc.parts.frozen import scale as scale
 from fusedpc.parts.frozen import softmax as softmax
 from fusedpc.parts.frozen import swiglu as swiglu
 from fusedpc.parts.frozen import tanh as tanh

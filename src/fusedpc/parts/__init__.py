@@ -31,6 +31,8 @@ from fusedpc.parts._repeat import Repeat as Repeat
 from fusedpc.parts._repeat import RepeatCache as RepeatCache
 from fusedpc.parts._repeat import RepeatState as RepeatState
 from fusedpc.parts._repeat import equivalent as equivalent
+from fusedpc.parts._residual_network import mupc_multipliers as mupc_multipliers
+from fusedpc.parts._residual_network import residual_pc_network as residual_pc_network
 from fusedpc.parts.conv import ConvParams as ConvParams
 from fusedpc.parts.frozen import LayerNormCache as LayerNormCache
 from fusedpc.parts.frozen import RMSNormCache as RMSNormCache

@@ -8,6 +8,7 @@ leading axis is a row.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import equinox as eqx
@@ -30,6 +31,7 @@ __all__ = [
     "linear",
     "relu",
     "rms_norm",
+    "scale",
     "softmax",
     "swiglu",
     "tanh",
@@ -111,6 +113,35 @@ def gelu() -> Frozen:
 def relu() -> Frozen:
     """$y = \\max(x, 0)$; backward $E \\odot [x > 0]$."""
     return activation("relu")
+
+
+def _scale_formulas(multiplier: float):
+    def scale_forward(params, x, ctx: StepContext):
+        del params
+        return ctx.to_compute(x * multiplier), None
+
+    def scale_backward(params, cache, error, ctx: StepContext):
+        del params, cache
+        return ctx.to_compute(error * multiplier)
+
+    return scale_forward, scale_backward
+
+
+def scale(multiplier: float) -> Frozen:
+    """$y = a x$ for a fixed number $a$ (`multiplier`); backward $E a$.
+
+    The multipliers of a parameterisation (μPC's $1/\\sqrt{D}$, $1/\\sqrt{N L}$, $1/N$, see
+    `fusedpc.residual_pc_network`) are this part after a learning layer: the layer then
+    learns exactly as `jax.grad` of $a f(x)$ would have it. The multiplier is static
+    configuration (no state, nothing to export), so blocks with equal multipliers stack in a
+    `Repeat`.
+    """
+    value = float(multiplier) if isinstance(multiplier, int | float) else math.nan
+    if isinstance(multiplier, bool) or not math.isfinite(value) or value == 0:
+        raise ValueError(f"frozen.scale: multiplier must be a finite, non-zero number, got "
+                         f"{multiplier!r}.")
+    forward, backward = _scale_formulas(value)
+    return Frozen(forward, backward, None, name="scale")
 
 
 def _tanh_forward(params, x):
