@@ -18,6 +18,7 @@ from fusedpc.core import as_module as as_module
 from fusedpc.core import check_backward as check_backward
 from fusedpc.execution import CheckpointError as CheckpointError
 from fusedpc.execution import FusedPipeline as FusedPipeline
+from fusedpc.execution import Inference as Inference
 from fusedpc.execution import InputRangeError as InputRangeError
 from fusedpc.execution import NonFiniteStepError as NonFiniteStepError
 from fusedpc.execution import Relaxation as Relaxation

@@ -12,6 +12,10 @@ $\\ell_r$ themselves, which a step with a row mask averages over the real rows o
   $E = p - \\mathrm{onehot}(t)$ (the error at the head's logits, which the categorical head
   expects), loss $-\\log p_t$.
 * `sigmoid_cross_entropy`: the output holds probabilities of a binary head; $E = p - t$.
+* `observed_squared`: the squared error over the target's observed entries only: a NaN in
+  the target marks an entry as not observed, $E = [t \\text{ observed}](y - t)$, loss
+  $\\operatorname{mean}_r \\tfrac12 \\sum_{j \\text{ observed}} (y_{rj} - t_{rj})^2$. For
+  inference from part of an output (generative latents: `docs/pc-depth.md`).
 
 Targets for the cross-entropies are integer class ids of shape `output.shape[:-1]` or one-hot /
 probability rows of the output's shape.
@@ -86,6 +90,18 @@ def _squared_rows(output, target):
     return 0.5 * jnp.sum(diff * diff, axis=-1)
 
 
+def _observed_squared_error(output, target):
+    _check_same_shape(output, target)
+    t = target.astype(output.dtype)
+    return jnp.where(jnp.isnan(t), jnp.zeros_like(output), output - t)
+
+
+def _observed_squared_rows(output, target):
+    t = target.astype(output.dtype)
+    diff = jnp.where(jnp.isnan(t), jnp.zeros_like(output), output - t)
+    return 0.5 * jnp.sum(diff * diff, axis=-1)
+
+
 def _softmax_ce_error(output, target):
     return jax.nn.softmax(output, axis=-1) - _as_distribution(output, target)
 
@@ -135,9 +151,11 @@ softmax_cross_entropy = _make(
 )
 cross_entropy = _make(_probs_ce_error, _probs_ce_rows, "cross_entropy", class_ids=True)
 sigmoid_cross_entropy = _make(_binary_error, _binary_rows, "sigmoid_cross_entropy")
+observed_squared = _make(_observed_squared_error, _observed_squared_rows, "observed_squared")
 
 BY_NAME = {
-    f.name: f for f in (squared, softmax_cross_entropy, cross_entropy, sigmoid_cross_entropy)
+    f.name: f for f in (squared, softmax_cross_entropy, cross_entropy, sigmoid_cross_entropy,
+                        observed_squared)
 }
 
 

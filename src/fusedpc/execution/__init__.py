@@ -5,6 +5,7 @@ from fusedpc.execution._checkpoint import CheckpointError as CheckpointError
 from fusedpc.execution._checkpoint import load_checkpoint as load_checkpoint
 from fusedpc.execution._checkpoint import read_checkpoint_manifest as read_checkpoint_manifest
 from fusedpc.execution._checkpoint import save_checkpoint as save_checkpoint
+from fusedpc.execution._inference import Inference as Inference
 from fusedpc.execution._pipeline import FusedPipeline as FusedPipeline
 from fusedpc.execution._pipeline import InputRangeError as InputRangeError
 from fusedpc.execution._pipeline import NonFiniteStepError as NonFiniteStepError

@@ -1,5 +1,5 @@
-"""The pure step program: `make_step(tree, ...)` gives `init`, `step`, `run` and `predict`
-over an explicit carry, usable inside a user's own `jax.jit`, `lax.scan` or `jax.vmap`.
+"""The pure step program: `make_step(tree, ...)` gives `init`, `step`, `run`, `predict` (and
+`infer` with latents) over an explicit carry, usable in a user's `jit`, `scan` or `vmap`.
 
 One step is: the forward walk, the descent error at the output, its normalisation, the
 backward walk (every part's local learning step and the error at its input), the non-finite
@@ -41,6 +41,7 @@ from fusedpc.core._metrics import metrics_finite
 from fusedpc.core._norms import all_finite, sums_finite, sums_finite_vector
 from fusedpc.core._part import AbstractPart, Core, PyTree
 from fusedpc.core._precision import widened
+from fusedpc.execution._inference import Inference, infer
 from fusedpc.execution._rows import apply_row_mask, copy_tree, normalise_active
 from fusedpc.execution._scan import max_update_ratio, scan_steps
 from fusedpc.execution._step_settings import StepSettings, settings_property
@@ -402,6 +403,14 @@ class StepProgram:
         `all(c.ok for c in checks)` when you need to know, which costs one scalar read."""
         y = self._forward(state, x, StepContext(compute_dtype=self.compute_dtype))[0]
         return y, tuple(self.tree.input_checks(x, ""))
+
+    def infer(self, state: PyTree, x: Any, target: Any) -> Inference:
+        """The step's relaxation towards `target` with nothing learning: the relaxed latents
+        and the output at them (`fusedpc.execution.Inference`); needs latents in the tree."""
+        if self._tree is None:
+            raise ValueError("infer: the tree has no fusedpc.Latent to relax; place Latent() "
+                             "parts where inference should move the activities.")
+        return infer(self._tree, state, x, target, StepContext(compute_dtype=self.compute_dtype))
 
     def write_back(self, state: PyTree) -> AbstractPart:
         """The tree holding `state` (pass a copy if the state's buffers will be donated)."""
