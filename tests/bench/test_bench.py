@@ -200,3 +200,20 @@ def test_bad_inference_settings_are_refused():
         bench.BenchArgs(inference_rate=0.0)
     with pytest.raises(ValueError, match="unknown variants"):
         bench.BenchArgs(variants=("fused_iterative_Tx",))
+    with pytest.raises(ValueError, match="--inference-tolerance must be >= 0"):
+        bench.BenchArgs(inference_tolerance=-1.0)
+    with pytest.raises(ValueError, match="--incremental-inference and --inference-tolerance"):
+        bench.BenchArgs(inference_tolerance=0.01, incremental_inference=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, field, value", [
+    (["--inference-tolerance", "1e-9"], "inference_tolerance", 1e-9),
+    (["--incremental-inference", "true"], "incremental_inference", True),
+])
+def test_tree_pc_variants_take_adaptive_and_incremental_inference(capsys, flags, field, value):
+    argv = [*MICRO, "--in-process", "--no-donate-probe", "--variants", "fused_tree_pc",
+            "--inference-steps", "2", *flags]
+    assert bench.main(argv) == 0
+    rows, _ = _rows(capsys)
+    assert rows[0][field] == value and rows[0]["step_ms"] > 0

@@ -122,6 +122,8 @@ class BenchArgs:
     dtype: str = "float32"
     inference_steps: int = 8
     inference_rate: float = 0.1
+    inference_tolerance: float = 0.0
+    incremental_inference: bool = False
 
     def __post_init__(self):
         for name in ("vocab", "width", "n_heads", "max_len", "batch", "steps", "k", "devices"):
@@ -133,6 +135,12 @@ class BenchArgs:
             raise ValueError(f"--inference-steps must be >= 0, got {self.inference_steps}")
         if not self.inference_rate > 0:
             raise ValueError(f"--inference-rate must be > 0, got {self.inference_rate}")
+        if not self.inference_tolerance >= 0:
+            raise ValueError(
+                f"--inference-tolerance must be >= 0 (0: none), got {self.inference_tolerance}")
+        if self.incremental_inference and self.inference_tolerance:
+            raise ValueError("--incremental-inference and --inference-tolerance: an incremental "
+                             "relaxation runs every sweep; choose one")
         if self.ff_width < 1:
             raise ValueError(f"--ff-width must be >= 1, got {self.ff_width}")
         if self.width % self.n_heads:
@@ -393,8 +401,24 @@ def _numeric_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
         "--inference-rate", type=float, default=d.inference_rate,
         help="step size of the iterative variants' relaxation (default 0.1)",
     )
+    p.add_argument(
+        "--inference-tolerance", type=float, default=d.inference_tolerance,
+        help="tree-PC variants: adaptive inference, the sweeps stop once the energy's relative "
+        "change falls below this, at most --inference-steps (default 0: always all)",
+    )
+    p.add_argument(
+        "--incremental-inference", type=_true_false, default=d.incremental_inference,
+        help="tree-PC variants: true for incremental PC, the weights step at every sweep "
+        "(default false)",
+    )
     # A measuring process: reads its task and the parent's BenchArgs from stdin (_workers).
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def _true_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
 
 
 def parse_args(

@@ -12,7 +12,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fusedpc.bench._args import BenchArgs, variant_inference_steps
+from fusedpc.bench._args import (
+    TREE_PC_VARIANTS,
+    BenchArgs,
+    base_variant,
+    variant_inference_steps,
+)
 from fusedpc.bench._report import config_fields
 from fusedpc.bench._setup import prepare_variant, variant_blocks_form
 
@@ -220,6 +225,11 @@ def variant_row(
             {"inference_steps": steps, "inference_rate": args.inference_rate}
             if (steps := variant_inference_steps(variant, args.inference_steps)) is not None
             else {}
+        ),
+        **(
+            {"inference_tolerance": args.inference_tolerance,
+             "incremental_inference": args.incremental_inference}
+            if base_variant(variant) in TREE_PC_VARIANTS else {}
         ),
         **device_info(),
         **config_fields(args, n_blocks),

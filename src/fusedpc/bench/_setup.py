@@ -155,7 +155,9 @@ class Setup:
         if tree_pc:
             guards["relaxation"] = fusedpc.Relaxation(
                 steps=self.args.inference_steps if steps is None else steps,
-                rate=self.args.inference_rate)
+                rate=self.args.inference_rate,
+                tolerance=self.args.inference_tolerance or None,
+                incremental=self.args.incremental_inference)
         return fusedpc.FusedPipeline(part, config.error_fn, mesh=self.mesh, **guards)
 
     def shard(self, x, axis: int = 0):
