@@ -52,6 +52,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import fusedpc
 from fusedpc.training import data, make_optimiser
@@ -70,12 +71,14 @@ class Variant(NamedTuple):
     latents: str = "none"
     steps: int = 1
     rate: float = DEFAULT_RATE
+    adam: bool = False  # Adam over the latents at `rate` instead of gradient descent
 
     def relaxation(self, probe: bool = False) -> fusedpc.Relaxation | None:
         if self.latents == "none":
             return None
         return fusedpc.Relaxation(steps=self.steps, rate=self.rate, record_energy=probe,
-                                  backprop_distance=probe)
+                                  backprop_distance=probe,
+                                  optimiser=optax.adam(self.rate) if self.adam else None)
 
 
 def _say(text: str) -> None:
@@ -89,13 +92,17 @@ def held_out_loss(logits_fn, xs: np.ndarray, ys: np.ndarray) -> float:
     return float(np.mean(losses))
 
 
-def variants(steps_list: list[int], rates: list[float], blocks_steps: int) -> dict[str, Any]:
+def variants(steps_list: list[int], rates: list[float], blocks_steps: int,
+             adam_rates: tuple[float, ...] = ()) -> dict[str, Any]:
     """Variant name -> its `Variant` (None for the backprop twin)."""
     out: dict[str, Any] = {"backprop_twin": None, "exact": Variant()}
     for rate in rates:
         for steps in steps_list:
             suffix = "" if rate == DEFAULT_RATE else f"_rate{rate:g}"
             out[f"tree_pc_all_T{steps}{suffix}"] = Variant("all", steps, rate)
+    for rate in adam_rates:
+        for steps in steps_list:
+            out[f"tree_pc_all_T{steps}_adam{rate:g}"] = Variant("all", steps, rate, adam=True)
     out[f"tree_pc_blocks_T{blocks_steps}"] = Variant("blocks", blocks_steps)
     return out
 
@@ -252,7 +259,7 @@ def fused_run(runner: FusedRunner, seed: int, train: np.ndarray, val, steps: int
         row["energy_rose_steps"] = int(np.sum(np.asarray(ratios) > 1.0))
     if probes:
         for field in ("backprop_distance", "gradient_distance", "gradient_cosine"):
-            row[f"{field}_mean"] = round(_finite_mean([p[field] for p in probes]), 5)
+            row[f"{field}_median"] = round(_finite_median([p[field] for p in probes]), 5)
         row["nonfinite_probes"] = sum(not np.isfinite(p["gradient_distance"]) for p in probes)
         row["probes"] = probes
     return row
@@ -296,10 +303,11 @@ def _spread(values: list[float]) -> float:
     return round(statistics.stdev(values), 4) if len(values) > 1 else 0.0
 
 
-def _finite_mean(values: list[float]) -> float:
-    """The mean of the finite `values` (NaN when none is: a probe of a diverged step)."""
+def _finite_median(values: list[float]) -> float:
+    """The median of the finite `values` (NaN when none is: the probes of diverged steps;
+    a median, since one diverged relaxation makes a distance of 1e12)."""
     finite = [v for v in values if np.isfinite(v)]
-    return statistics.mean(finite) if finite else float("nan")
+    return statistics.median(finite) if finite else float("nan")
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -325,8 +333,10 @@ def summarise(runs: list[dict]) -> list[dict]:
         if probed:
             probes = [p for r in probed for p in r["probes"]]
             for field in ("backprop_distance", "gradient_distance", "gradient_cosine"):
-                values = [r[f"{field}_mean"] for r in probed if np.isfinite(r[f"{field}_mean"])]
-                summary[f"{field}_mean"] = round(_finite_mean(values), 4)
+                medians = [_finite_median([p[field] for p in r["probes"]]) for r in probed]
+                values = [v for v in medians if np.isfinite(v)]  # each run's median
+                summary[f"{field}_median"] = round(statistics.mean(values), 4) if values else (
+                    float("nan"))
                 summary[f"{field}_std"] = _spread(values)
             summary["energy_rose_steps"] = sum(r["energy_rose_steps"] for r in probed)
             summary["skipped_steps"] = sum(r["skipped_steps"] for r in probed)
@@ -350,10 +360,10 @@ def plot(summary: list[dict], path: str) -> None:
     left.set_ylim(min(s["val_loss_mean"] for s in summary) * 0.95,
                   max(s["val_loss_mean"] for s in summary) * 1.03)
     left.set_ylabel("validation loss (mean over seeds)")
-    middle.bar(names, [s.get("gradient_distance_mean", 0.0) for s in summary],
-               yerr=[s.get("gradient_distance_std", 0.0) for s in summary], capsize=4,
+    middle.bar(names, [s.get("gradient_cosine_median", 1.0) for s in summary],
+               yerr=[s.get("gradient_cosine_std", 0.0) for s in summary], capsize=4,
                color="tab:green")
-    middle.set_ylabel("gradient distance from backprop's")
+    middle.set_ylabel("gradient cosine with backprop's (probes' median)")
     right.bar(names, [s["tokens_per_s_mean"] or 0 for s in summary], color="tab:orange")
     right.set_ylabel("training tokens/s")
     for ax in (left, middle, right):
@@ -372,6 +382,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the T values of the fully-PC (latents='all') runs")
     parser.add_argument("--rates", default=str(DEFAULT_RATE),
                         help="the relaxation rates of the fully-PC runs")
+    parser.add_argument("--latent-adam-rates", default="",
+                        help="also relax the fully-PC runs with Adam over the latents at these "
+                        "rates (variants tree_pc_all_T<T>_adam<r>)")
     parser.add_argument("--blocks-inference-steps", type=int, default=8,
                         help="T of the block-PC (latents='blocks') run, at rate 0.1")
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam's rate (fusedpc train's)")
@@ -404,7 +417,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      f"--per-call ({args.per_call}): a probe is taken between two calls.")
     steps_list = [int(v) for v in args.inference_steps.split(",") if v.strip()]
     rates = [float(v) for v in args.rates.split(",") if v.strip()]
-    table = variants(steps_list, rates, args.blocks_inference_steps)
+    adam_rates = tuple(float(v) for v in args.latent_adam_rates.split(",") if v.strip())
+    table = variants(steps_list, rates, args.blocks_inference_steps, adam_rates)
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = sorted(set(wanted) - set(table))
@@ -435,9 +449,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "wall_s": round(time.perf_counter() - start, 1)}
             runs.append(row)
             print(json.dumps(row), flush=True)
-            distance = row.get("backprop_distance_mean")
+            cosine = row.get("gradient_cosine_median")
             _say(f"seed {seed} {name}: val {row['val_loss']:.4f}"
-                 + ("" if distance is None else f", distance {distance:.3f}")
+                 + ("" if cosine is None else f", gradient cosine {cosine:.3f}")
                  + f" ({row['wall_s']} s)")
     return _finish(runs, args.plot)
 
