@@ -21,7 +21,7 @@ def _run(name: str) -> dict:
 
 def test_every_notebook_is_tested():
     tested = {"01_build_a_hybrid_tree.py", "02_swap_gpt_slots.py", "03_calibrate_rates.py",
-              "04_convolution.py", "05_iterative_inference.py"}
+              "04_convolution.py", "05_iterative_inference.py", "06_generative_digits.py"}
     assert {p.name for p in NOTEBOOKS.glob("*.py")} == tested
 
 
@@ -101,3 +101,16 @@ def test_05_iterative_inference(capsys):
     assert g["final_loss"] < 0.5 * g["initial_loss"]  # it learns inside a tree
     assert g["row"]["energy_after"] < g["row"]["energy_before"]
     assert "distance to backprop" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # end to end: left out of the fast loop, -m 'not slow'
+def test_06_generative_digits(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    g = _run("06_generative_digits.py")
+    assert len(g["fill_mse"]) == 3  # three seeds, each trained from scratch
+    assert all(f < g["mean_mse"] for f in g["fill_mse"])  # fill-in beats the mean image
+    assert g["code_moved"] < 1e-5  # nothing observed: the code stays at its prior
+    assert g["recognised"] >= 8  # generated digits sit nearest their own class's mean
+    paths = g["figure_paths"]
+    assert len(paths) == 2 and all(p.parent == tmp_path and p.stat().st_size > 0 for p in paths)
+    assert "mean-image MSE" in capsys.readouterr().out
