@@ -72,13 +72,16 @@ class Variant(NamedTuple):
     steps: int = 1
     rate: float = DEFAULT_RATE
     adam: bool = False  # Adam over the latents at `rate` instead of gradient descent
+    incremental: bool = False  # incremental PC: the weights step at every sweep
+    tolerance: float | None = None  # adaptive inference: stop once the energy settles
 
     def relaxation(self, probe: bool = False) -> fusedpc.Relaxation | None:
         if self.latents == "none":
             return None
         return fusedpc.Relaxation(steps=self.steps, rate=self.rate, record_energy=probe,
                                   backprop_distance=probe,
-                                  optimiser=optax.adam(self.rate) if self.adam else None)
+                                  optimiser=optax.adam(self.rate) if self.adam else None,
+                                  incremental=self.incremental, tolerance=self.tolerance)
 
 
 def _say(text: str) -> None:
@@ -93,13 +96,20 @@ def held_out_loss(logits_fn, xs: np.ndarray, ys: np.ndarray) -> float:
 
 
 def variants(steps_list: list[int], rates: list[float], blocks_steps: int,
-             adam_rates: tuple[float, ...] = ()) -> dict[str, Any]:
+             adam_rates: tuple[float, ...] = (), schedules: tuple[str, ...] = (),
+             tolerance: float = 1e-3) -> dict[str, Any]:
     """Variant name -> its `Variant` (None for the backprop twin)."""
     out: dict[str, Any] = {"backprop_twin": None, "exact": Variant()}
     for rate in rates:
         for steps in steps_list:
             suffix = "" if rate == DEFAULT_RATE else f"_rate{rate:g}"
             out[f"tree_pc_all_T{steps}{suffix}"] = Variant("all", steps, rate)
+            if "incremental" in schedules:
+                out[f"tree_pc_all_T{steps}{suffix}_incremental"] = Variant(
+                    "all", steps, rate, incremental=True)
+            if "adaptive" in schedules:
+                out[f"tree_pc_all_T{steps}{suffix}_adaptive"] = Variant(
+                    "all", steps, rate, tolerance=tolerance)
     for rate in adam_rates:
         for steps in steps_list:
             out[f"tree_pc_all_T{steps}_adam{rate:g}"] = Variant("all", steps, rate, adam=True)
@@ -224,6 +234,7 @@ def fused_run(runner: FusedRunner, seed: int, train: np.ndarray, val, steps: int
     batches = data.BatchIterator(train, BATCH, MODEL["max_len"], seed=seed)
     losses: list[float] = []
     ratios: list[float] = []  # energy after / before the relaxation, every step
+    sweeps: list[int] = []  # the sweeps each step's relaxation ran
     probes: list[dict] = []
     timed_s, timed_steps, first_s = 0.0, 0, 0.0
     done = 0
@@ -244,6 +255,7 @@ def fused_run(runner: FusedRunner, seed: int, train: np.ndarray, val, steps: int
         if metrics.relaxation is not None:
             ratios.extend((np.asarray(metrics.relaxation.energy_after)
                            / np.asarray(metrics.relaxation.energy_before)).tolist())
+            sweeps.extend(np.asarray(metrics.relaxation.steps).tolist())
         done += k
     row = {
         "val_loss": held_out_loss(pipeline.predict, *val),
@@ -257,6 +269,7 @@ def fused_run(runner: FusedRunner, seed: int, train: np.ndarray, val, steps: int
         row["energy_ratio_median"] = round(float(np.median(ratios)), 5)
         row["energy_ratio_max"] = float(f"{max(ratios):.4g}")
         row["energy_rose_steps"] = int(np.sum(np.asarray(ratios) > 1.0))
+        row["sweeps_mean"] = round(float(np.mean(sweeps)), 3)
     if probes:
         for field in ("backprop_distance", "gradient_distance", "gradient_cosine"):
             row[f"{field}_median"] = round(_finite_median([p[field] for p in probes]), 5)
@@ -329,6 +342,8 @@ def summarise(runs: list[dict]) -> list[dict]:
             "tokens_per_s_mean": round(statistics.mean(speeds)) if speeds else None,
             "seeds": len(rows),
         }
+        if all("sweeps_mean" in r for r in rows):
+            summary["sweeps_mean"] = round(statistics.mean(r["sweeps_mean"] for r in rows), 3)
         probed = [r for r in rows if "probes" in r]
         if probed:
             probes = [p for r in probed for p in r["probes"]]
@@ -382,6 +397,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="the T values of the fully-PC (latents='all') runs")
     parser.add_argument("--rates", default=str(DEFAULT_RATE),
                         help="the relaxation rates of the fully-PC runs")
+    parser.add_argument("--schedules", default="",
+                        help="also run the fully-PC variants as incremental PC and/or with "
+                        "adaptive inference: a comma list of incremental, adaptive (variants "
+                        "tree_pc_all_T<T>[_rate<r>]_incremental, ..._adaptive)")
+    parser.add_argument("--tolerance", type=float, default=1e-3,
+                        help="the relative energy change at which the *_adaptive variants stop")
     parser.add_argument("--latent-adam-rates", default="",
                         help="also relax the fully-PC runs with Adam over the latents at these "
                         "rates (variants tree_pc_all_T<T>_adam<r>)")
@@ -418,7 +439,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     steps_list = [int(v) for v in args.inference_steps.split(",") if v.strip()]
     rates = [float(v) for v in args.rates.split(",") if v.strip()]
     adam_rates = tuple(float(v) for v in args.latent_adam_rates.split(",") if v.strip())
-    table = variants(steps_list, rates, args.blocks_inference_steps, adam_rates)
+    schedules = tuple(v.strip() for v in args.schedules.split(",") if v.strip())
+    unknown = sorted(set(schedules) - {"incremental", "adaptive"})
+    if unknown:
+        parser.error(f"--schedules: unknown {unknown}; choose from incremental, adaptive")
+    table = variants(steps_list, rates, args.blocks_inference_steps, adam_rates, schedules,
+                     args.tolerance)
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = sorted(set(wanted) - set(table))
