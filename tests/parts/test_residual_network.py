@@ -148,3 +148,17 @@ def test_mupc_learns_the_digits_at_depth_with_every_block_a_latent_and_standard_
                                            key=jax.random.key(0), parameterisation="standard")
     accuracy, skipped = _train(standard, 30, relaxation=relaxation)
     assert accuracy < 0.5, accuracy  # the stream overflows or the relaxation diverges
+
+
+@pytest.mark.slow
+def test_the_example_in_docs_pc_depth_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "pc-depth.md").read_text()
+    match = re.search(r"<!-- example: pc-depth -->\s*```python\n(.*?)```", text, re.DOTALL)
+    assert match, "docs/pc-depth.md lost its `<!-- example: pc-depth -->` code block"
+    namespace: dict = {}
+    exec(compile(match.group(1), "docs/pc-depth.md", "exec"), namespace)  # noqa: S102
+    assert int(namespace["carry"].counters.skipped) == 0
+    assert np.isfinite(float(namespace["out"].metrics.loss))
