@@ -150,7 +150,8 @@ def eval_command(args: argparse.Namespace) -> int:
     pipeline, tokenizer, config, metadata = _setup.load_run(args.run, argument="RUN")
     if args.text is None:  # the run's own validation split, as `train` evaluates it
         ids = _setup.load_tokens(config, metadata["tokenizer"], tokenizer)[3]
-        source = f"the validation split of {config.text!r}"
+        source = (f"the validation split of {config.data!r}" if config.data
+                  else f"the validation split of {config.text!r}")
     else:
         ids = np.asarray(tokenizer.encode(data.load_text(args.text)), np.int32)
         source = repr(args.text)
@@ -162,4 +163,16 @@ def eval_command(args: argparse.Namespace) -> int:
     loss = evaluate(pipeline, x, y, config.model.head_kind == "categorical")
     print(f"{source}: {batches} batches of {config.batch} x {config.model.max_len} tokens: "
           f"loss {loss:.4f}, perplexity {math.exp(loss):.2f}")
+    return 0
+
+
+def prepare_command(args: argparse.Namespace) -> int:
+    """`fusedpc prepare SOURCE --out DATA`: a corpus on disk for `fusedpc train --data`."""
+    from fusedpc.training.corpus import prepare_corpus
+
+    meta = prepare_corpus(args.source, args.out, tokenizer=args.tokenizer,
+                          vocab_size=args.vocab, validation_fraction=args.validation_fraction)
+    print(f"{args.out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} validation "
+          f"tokens ({meta['dtype']}), vocabulary {meta['vocab_size']:,} "
+          f"({meta['tokenizer']['kind']}); train on it with fusedpc train --data {args.out}")
     return 0

@@ -11,6 +11,8 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
     ("--text", "a bundled text name or a UTF-8 text file to train on"),
     ("--tokenizer", "'char' (the text's characters) or 'byte' (256 tokens)"),
     ("--validation-fraction", "share of the text, at its end, held out for validation"),
+    ("--data", "a corpus folder made by fusedpc prepare (memory-mapped ids and their "
+     "tokeniser), trained on instead of --text"),
     ("--width", "model width"),
     ("--n-heads", "attention heads; must divide the width"),
     ("--n-blocks", "transformer blocks"),

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fusedpc.cli._commands import eval_command, report_command, sample_command, train_command
+from fusedpc.cli._commands import (
+    eval_command,
+    prepare_command,
+    report_command,
+    sample_command,
+    train_command,
+)
 from fusedpc.cli._flags import (
     ALIASES,
     CONFIG_FLAGS,
@@ -46,7 +52,7 @@ def build_parser() -> _Parser:
     parser.commands = {
         name: add(commands)
         for name, add in (("train", _train), ("report", _report), ("sample", _sample),
-                          ("eval", _eval), ("bench", _bench))
+                          ("eval", _eval), ("prepare", _prepare), ("bench", _bench))
     }
     return parser
 
@@ -103,7 +109,7 @@ def _config_flags(train: argparse.ArgumentParser) -> None:
             default
         )
         metavar = {int: "N", float: "X", parse_bool: "BOOL", parse_scan: "SCAN"}.get(
-            kind, "PATH" if field == "text" else "NAME"
+            kind, "PATH" if field in ("text", "data") else "NAME"
         )
         flags = [flag, old_spelling[flag]] if flag in old_spelling else [flag]
         if flag in SPELLINGS:
@@ -181,6 +187,32 @@ def _eval(commands: _Commands) -> _Parser:
                           "run's eval_batches)")
     evaluate.set_defaults(handler=eval_command)
     return evaluate
+
+
+def _prepare(commands: _Commands) -> _Parser:
+    """`fusedpc prepare SOURCE --out DATA`."""
+    prepare = commands.add_parser(
+        "prepare",
+        usage="fusedpc prepare SOURCE --out DATA [--tokenizer char|byte|bpe] [--vocab N] "
+        "[--validation-fraction X]",
+        help="tokenise a text file or folder into a memory-mapped corpus for train --data",
+        description="Write DATA/train.bin and DATA/val.bin (token ids, uint16 or uint32, "
+        "nanoGPT's layout) and DATA/meta.json (dtype, vocabulary, tokeniser) from SOURCE, a "
+        "UTF-8 text file or a folder of .txt files; a BPE tokeniser is trained here, offline.",
+    )
+    prepare.add_argument("source", metavar="SOURCE", help="a UTF-8 text file or a folder of "
+                         ".txt files")
+    prepare.add_argument("--out", required=True, metavar="DATA",
+                         help="a new folder for the corpus (never overwritten)")
+    prepare.add_argument("--tokenizer", choices=("char", "byte", "bpe"), default="char",
+                         help="char (the source's characters), byte (256 ids) or bpe (trained "
+                         "on the source; needs --vocab) (default char)")
+    prepare.add_argument("--vocab", type=int, default=None, metavar="N",
+                         help="the BPE vocabulary, > 256")
+    prepare.add_argument("--validation-fraction", type=float, default=0.1, metavar="X",
+                         help="the share of the tokens, at the end, held out (default 0.1)")
+    prepare.set_defaults(handler=prepare_command)
+    return prepare
 
 
 def _bench(commands: _Commands) -> _Parser:

@@ -37,6 +37,9 @@ class TrainConfig:
             tokens).
         validation_fraction: [data] the share of the text, at its end, held out for
             validation.
+        data: [data] a prepared corpus folder (`fusedpc prepare`: memory-mapped `train.bin`
+            and `val.bin`, its tokeniser in `meta.json`), which replaces `text`,
+            `tokenizer` and `validation_fraction`; `""` (the default): train on `text`.
         model: [model] a `GPTConfig` (its `vocab_size` is replaced by the tokeniser's). Its
             settings: `width`, `n_heads` (must divide `width`), `n_blocks`, `ff_width`,
             `max_len` (the position table's length, also the tokens per training row $T$);
@@ -115,6 +118,7 @@ class TrainConfig:
     text: str = data.DEFAULT_TEXT
     tokenizer: str = "char"
     validation_fraction: float = 0.1
+    data: str = ""
     # [model]
     model: GPTConfig = dataclasses.field(default_factory=GPTConfig)
     # [optimiser]

@@ -144,9 +144,10 @@ class _Session:
         )
         self.text_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()
         if start.metadata and start.metadata.get("text_sha256") != self.text_hash:
+            what = f"the corpus {config.data!r}" if config.data else f"the text {config.text!r}"
             raise ValueError(
-                f"the text {config.text!r} differs from the one the run was trained on (its "
-                "SHA-256 changed); resume with the same text."
+                f"{what} differs from the one the run was trained on (its SHA-256 changed); "
+                "resume with the same data."
             )
         return train_ids
 

@@ -42,7 +42,7 @@ def _settings_defaults() -> dict[str, Any]:
     default = TrainConfig()
     run = {name: getattr(default, name) for name in RUN_FIELDS}
     model = model_settings(default.model)
-    order = [*RUN_FIELDS[:3], *MODEL_SETTINGS, *RUN_FIELDS[3:]]
+    order = [*RUN_FIELDS[:4], *MODEL_SETTINGS, *RUN_FIELDS[4:]]
     return {name: model[name] if name in model else run[name] for name in order}
 
 
@@ -50,7 +50,7 @@ SETTINGS: dict[str, Any] = _settings_defaults()
 """Every flat setting and its default, in the order of `SECTIONS`."""
 
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "data": ("text", "tokenizer", "validation_fraction"),
+    "data": ("text", "tokenizer", "validation_fraction", "data"),
     "model": MODEL_SETTINGS,
     "optimiser": (
         "optimiser", "lr", "weight_decay", "clip", "lr_schedule", "warmup_steps",

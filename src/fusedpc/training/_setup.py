@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -18,6 +19,7 @@ from fusedpc.training._config import TrainConfig
 from fusedpc.training._config_file import CHECKPOINT_NAME, resume_config
 from fusedpc.training._optimisers import learning_rate_schedule, make_optimiser
 from fusedpc.training._rates import scale_by_rate_multiplier, with_rate_multiplier
+from fusedpc.training.corpus import open_corpus
 from fusedpc.transformer._build import build_gpt
 
 
@@ -101,10 +103,12 @@ def load_tokens(
     """`(text, tokenizer, train_ids, val_ids)` for `config`; `saved` (a checkpoint's
     `to_dict`) when resuming, so that the vocabulary is the one the model was built with;
     `tokenizer` to use a tokeniser of your own (see `resolve_tokenizer`)."""
-    text = data.load_text(config.text)
-    tok = resolve_tokenizer(config, text, saved, tokenizer)
-    ids = encode_text(tok, text)
-    train_ids, val_ids = data.split(ids, config.validation_fraction)
+    if config.data:
+        text, tok, train_ids, val_ids = _corpus_tokens(config, saved, tokenizer)
+    else:
+        text = data.load_text(config.text)
+        tok = resolve_tokenizer(config, text, saved, tokenizer)
+        train_ids, val_ids = data.split(encode_text(tok, text), config.validation_fraction)
     for name, part in (("training", train_ids), ("validation", val_ids)):
         if len(part) < config.model.max_len + 1:
             raise ValueError(
@@ -113,6 +117,26 @@ def load_tokens(
                 "validation_fraction."
             )
     return text, tok, train_ids, val_ids
+
+
+def _corpus_tokens(config: TrainConfig, saved: dict[str, Any] | None,
+                   tokenizer: data.Tokenizer | None):
+    """`load_tokens` for a prepared corpus (`config.data`): its description (`meta.json`,
+    standing for the text in the run's fingerprint), its tokeniser, its memory maps."""
+    corpus = open_corpus(config.data)
+    if tokenizer is None and corpus.tokenizer is None:
+        raise ValueError(f"data: {config.data!r} has no meta.json naming its tokeniser; "
+                         "prepare it with fusedpc prepare, or pass a tokenizer.")
+    tok = corpus.tokenizer if tokenizer is None else data.check_tokenizer(tokenizer)
+    if saved is not None and tok.to_dict() != saved:
+        raise ValueError(f"data: the run was trained with another tokeniser than the corpus "
+                         f"{config.data!r} holds; resume with the corpus it was trained on.")
+    if tok.vocab_size != corpus.vocab_size:
+        raise ValueError(f"tokenizer: {tok.vocab_size} ids, but the corpus {config.data!r} has "
+                         f"{corpus.vocab_size}.")
+    described = json.dumps({k: v for k, v in corpus.meta.items() if k != "source"},
+                           sort_keys=True)
+    return described, tok, corpus.train, corpus.val
 
 
 def make_mesh(config: TrainConfig):

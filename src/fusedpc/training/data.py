@@ -247,18 +247,23 @@ class ByteTokenizer:
         return cls()
 
 
-def tokenizer_from_dict(d: dict[str, Any]) -> CharTokenizer | ByteTokenizer:
+def tokenizer_from_dict(d: dict[str, Any]) -> Any:
     """Rebuild a built-in tokeniser from its `to_dict` description (dispatching on ``kind``).
 
     A tokeniser of your own is not rebuilt from its description: give it again (e.g.
     `train(..., tokenizer=mine)` when resuming, `load_run(folder, tokenizer=mine)`).
     """
+    kind = d.get("kind")
+    if kind == "bpe":  # its module imports this one
+        from fusedpc.training.corpus import BPETokenizer
+
+        return BPETokenizer.from_dict(d)
     kinds: dict[str, type[CharTokenizer] | type[ByteTokenizer]] = {
         "char": CharTokenizer, "byte": ByteTokenizer
     }
-    kind = d.get("kind")
     if kind not in kinds:
-        raise ValueError(f"unknown tokeniser kind {kind!r}; expected one of {sorted(kinds)}")
+        raise ValueError(f"unknown tokeniser kind {kind!r}; expected one of "
+                         f"{sorted([*kinds, 'bpe'])}")
     return kinds[kind].from_dict(d)
 
 
@@ -289,14 +294,21 @@ class BatchIterator:
     ``next_batches(k)`` equals ``k`` calls of `next_batch` stacked.
 
     Args:
-        data: 1-D integer token ids, ``n`` of them with ``n >= seq_len + 1``.
+        data: 1-D integer token ids, ``n`` of them with ``n >= seq_len + 1`` (an array, or a
+            memory map such as `fusedpc.training.corpus.open_corpus` gives: it is never read
+            whole, only the windows drawn).
         batch_size: windows per batch.
         seq_len: tokens per input row.
         seed: non-negative integer seed.
     """
 
     def __init__(self, data: Any, batch_size: int, seq_len: int, *, seed: int = 0):
-        self.data = _as_ids(data).astype(np.int32, copy=False)
+        # kept as given: a memory-mapped corpus stays on disk, each window read and widened;
+        # its windows are read through a map opened for the one batch and closed after it
+        # (as nanoGPT does), so the pages a run touches do not stay in its resident memory
+        self._file = ((data.filename, data.dtype, data.offset, data.shape)
+                      if isinstance(data, np.memmap) and data.filename else None)
+        self.data = _as_ids(data)
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if seq_len < 1:
@@ -317,7 +329,13 @@ class BatchIterator:
     def _windows(self, k: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, k])
         starts = rng.integers(0, len(self.data) - self.seq_len, size=self.batch_size)
-        return self.data[starts[:, None] + self._offsets]
+        if self._file is None:
+            return self.data[starts[:, None] + self._offsets].astype(np.int32)
+        filename, dtype, offset, shape = self._file
+        mapped = np.memmap(filename, dtype=dtype, mode="r", offset=offset, shape=shape)
+        windows = mapped[starts[:, None] + self._offsets].astype(np.int32)
+        del mapped  # unmapped: its pages leave this process (they stay in the page cache)
+        return windows
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """The next ``(inputs, targets)``, each ``(batch_size, seq_len)``."""
