@@ -176,3 +176,25 @@ def prepare_command(args: argparse.Namespace) -> int:
           f"tokens ({meta['dtype']}), vocabulary {meta['vocab_size']:,} "
           f"({meta['tokenizer']['kind']}); train on it with fusedpc train --data {args.out}")
     return 0
+
+
+def study_command(args: argparse.Namespace) -> int:
+    """`fusedpc study --seeds N --vary name=v1,v2`: the seeds vmapped, each setting compiled."""
+    import datetime
+
+    from fusedpc.training import _config_file, _runtime
+    from fusedpc.training.study import parse_vary, run_study
+
+    overrides = {
+        setting_name(flag): getattr(args, setting_name(flag))
+        for flag, _ in CONFIG_FLAGS
+        if getattr(args, setting_name(flag)) is not None
+    }
+    vary = parse_vary(args.vary or [])
+    config = _config_file.resolve_config(args.config, overrides)
+    out = args.out or os.path.join(
+        "studies", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+    _runtime.select_platform(args.device)
+    run_study(config, args.seeds, vary, out)
+    print(f"written: {out}/runs.jsonl, summary.json, table.md, curves.png")
+    return 0

@@ -10,6 +10,7 @@ from fusedpc.cli._commands import (
     prepare_command,
     report_command,
     sample_command,
+    study_command,
     train_command,
 )
 from fusedpc.cli._flags import (
@@ -52,7 +53,8 @@ def build_parser() -> _Parser:
     parser.commands = {
         name: add(commands)
         for name, add in (("train", _train), ("report", _report), ("sample", _sample),
-                          ("eval", _eval), ("prepare", _prepare), ("bench", _bench))
+                          ("eval", _eval), ("prepare", _prepare), ("study", _study),
+                          ("bench", _bench))
     }
     return parser
 
@@ -187,6 +189,31 @@ def _eval(commands: _Commands) -> _Parser:
                           "run's eval_batches)")
     evaluate.set_defaults(handler=eval_command)
     return evaluate
+
+
+def _study(commands: _Commands) -> _Parser:
+    """`fusedpc study`: its own flags, then one per `TrainConfig` setting (`_config_flags`)."""
+    study = commands.add_parser(
+        "study",
+        usage="fusedpc study [--config FILE] [--seeds N] [--vary NAME=V1,V2,...] [--out DIR] "
+        "[options]",
+        help="train N seeds per setting (the seeds in one vmapped program) and compare",
+        description="Train every combination of the --vary values, N seeds each (one vmapped "
+        "compiled step per setting), and write runs.jsonl, summary.json, table.md (mean ± std, "
+        "a bootstrap interval against the first setting) and curves.png into --out.",
+    )
+    study.add_argument("--config", metavar="FILE", help="TOML config file (see docs/cli.md)")
+    study.add_argument("--seeds", type=int, default=3, metavar="N",
+                       help="seeds per setting, from --seed on (default 3)")
+    study.add_argument("--vary", action="append", metavar="NAME=V1,V2,...",
+                       help="a setting and its values (repeat for a grid)")
+    study.add_argument("--out", metavar="DIR",
+                       help="a new output folder (default studies/<timestamp>)")
+    _config_flags(study)
+    study.add_argument("--device", choices=PLATFORMS, default=None,
+                       help="the JAX platform to run on (default: JAX's choice)")
+    study.set_defaults(handler=study_command)
+    return study
 
 
 def _prepare(commands: _Commands) -> _Parser:

@@ -1,0 +1,199 @@
+"""Studies as a command: `fusedpc study --seeds N --vary name=v1,v2,...` (`run_study`).
+
+A study trains one run per seed and setting. The seeds of one setting are one vmapped compiled
+program (`fusedpc.training.seeds.train_seeds`); every setting is its own compiled group (a
+setting may change shapes, the learning kind, the depth, or static configuration such as the
+optimiser's rate). It writes, into a new folder:
+
+* `runs.jsonl`: one line per run and evaluation point (setting, seed, step, validation loss,
+  the mean training loss since the previous point);
+* `summary.json` and `table.md`: per setting the final validation loss's mean, standard
+  deviation and seeds, and against the first setting the difference of means with a 95 %
+  bootstrap interval (10,000 resamples of the seeds, with replacement, within each setting)
+  and the verdict: "lower" or "higher" when the interval excludes 0, else "no difference
+  shown";
+* `curves.png`: each setting's validation loss over the steps, the mean with a band of
+  plus or minus one standard deviation over the seeds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fusedpc.training._config import TrainConfig
+from fusedpc.training._settings import SETTINGS, config_from_settings, config_settings
+from fusedpc.training.seeds import SeedRuns, train_seeds
+
+RESAMPLES = 10_000
+
+
+def parse_vary(texts: list[str]) -> dict[str, list[Any]]:
+    """`["lr=0.001,0.003", ...]` as `{"lr": [0.001, 0.003]}`, each value of its setting's
+    type; names and values checked (the message names the bad one)."""
+    out: dict[str, list[Any]] = {}
+    for text in texts:
+        name, sep, values = text.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or not values.strip():
+            raise ValueError(f"--vary: expected name=v1,v2,..., got {text!r}.")
+        if name not in SETTINGS:
+            raise ValueError(f"--vary: unknown setting {name!r}; known: {', '.join(SETTINGS)}.")
+        if name in out:
+            raise ValueError(f"--vary: {name!r} given twice.")
+        if name == "seed":
+            raise ValueError("--vary: the seeds are --seeds, not a setting to vary.")
+        out[name] = [_typed(name, v.strip()) for v in values.split(",")]
+    return out
+
+
+def _typed(name: str, text: str) -> Any:
+    kind = type(SETTINGS[name])
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false"):
+                raise ValueError
+            return text.lower() == "true"
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"--vary: {name}={text!r} is not a {kind.__name__}.") from None
+
+
+def settings_grid(vary: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """Every combination of the varied values, in the order given (one empty setting when
+    nothing varies)."""
+    names = list(vary)
+    return [dict(zip(names, values)) for values in itertools.product(*vary.values())]
+
+
+def label(setting: dict[str, Any]) -> str:
+    """A setting as `name=value, ...` (`base` when nothing varies)."""
+    return ", ".join(f"{k}={v}" for k, v in setting.items()) or "base"
+
+
+def bootstrap_difference(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[float, ...]:
+    """`mean(b) - mean(a)` and its 95 % percentile bootstrap interval (each sample resampled
+    with replacement, `RESAMPLES` times)."""
+    rng = np.random.default_rng(seed)
+    a_means = rng.choice(a, (RESAMPLES, len(a))).mean(axis=1)
+    b_means = rng.choice(b, (RESAMPLES, len(b))).mean(axis=1)
+    low, high = np.percentile(b_means - a_means, [2.5, 97.5])
+    return float(b.mean() - a.mean()), float(low), float(high)
+
+
+def summarise(results: list[tuple[dict[str, Any], SeedRuns]]) -> list[dict[str, Any]]:
+    """One row per setting: the final validation loss's mean, std, the seeds; the difference
+    to the first setting with its interval and verdict."""
+    rows = []
+    base = results[0][1].val_loss[:, -1]
+    for i, (setting, runs) in enumerate(results):
+        final = runs.val_loss[:, -1]
+        row: dict[str, Any] = {
+            "setting": label(setting), **setting, "seeds": len(final),
+            "val_loss_mean": round(float(final.mean()), 4),
+            "val_loss_std": round(float(final.std(ddof=1)), 4) if len(final) > 1 else 0.0,
+            "skipped_steps": int(runs.skipped.sum()), "compile_s": round(runs.compile_s, 2),
+            "wall_s": round(runs.wall_s, 2)}
+        if i:
+            difference, low, high = bootstrap_difference(base, final)
+            verdict = ("lower" if high < 0 else "higher" if low > 0 else
+                       "no difference shown")
+            row.update(difference=round(difference, 4), interval=[round(low, 4),
+                       round(high, 4)], verdict=verdict)
+        rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| setting | validation loss (mean ± std) | seeds | against the first (95 % "
+             "bootstrap interval) | verdict |", "| --- | ---: | ---: | --- | --- |"]
+    for row in rows:
+        against = ("" if "difference" not in row else
+                   f"{row['difference']:+.4f} [{row['interval'][0]:+.4f}, "
+                   f"{row['interval'][1]:+.4f}]")
+        lines.append(f"| {row['setting']} | {row['val_loss_mean']:.4f} ± "
+                     f"{row['val_loss_std']:.4f} | {row['seeds']} | {against} | "
+                     f"{row.get('verdict', '(baseline)')} |")
+    return "\n".join(lines)
+
+
+def _plot(results: list[tuple[dict[str, Any], SeedRuns]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for setting, runs in results:
+        mean, std = runs.val_loss.mean(axis=0), runs.val_loss.std(axis=0)
+        axis.plot(runs.steps, mean, label=label(setting))
+        axis.fill_between(runs.steps, mean - std, mean + std, alpha=0.25)
+    axis.set_xlabel("step")
+    axis.set_ylabel("validation loss (mean ± std over seeds)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _run_lines(setting: dict[str, Any], runs: SeedRuns) -> list[dict[str, Any]]:
+    lines = []
+    for i, seed in enumerate(runs.seeds):
+        previous = 0
+        for k, step in enumerate(runs.steps):
+            window = runs.train_loss[i, previous:step]
+            lines.append({"setting": label(setting), **setting, "seed": seed, "step": int(step),
+                          "val_loss": round(float(runs.val_loss[i, k]), 5),
+                          "train_loss": round(float(np.mean(window)), 5)})
+            previous = int(step)
+    return lines
+
+
+def run_study(config: TrainConfig, seeds: int, vary: dict[str, list[Any]],
+              out: str | os.PathLike[str], *,
+              say: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run the study (module docstring) into the new folder `out`; returns the summary
+    rows. `config.seed` is the first seed, the others follow it."""
+    if seeds < 1:
+        raise ValueError(f"--seeds: expected an integer >= 1, got {seeds}.")
+    folder = Path(out)
+    if folder.exists() and any(folder.iterdir()):
+        raise FileExistsError(f"--out: {str(folder)!r} is not empty; a study writes into a new "
+                              "folder (nothing saved is overwritten).")
+    grid = settings_grid(vary)
+    configs = [config_from_settings(s, config) for s in grid]  # all checked before training
+    for c in configs:
+        c.validate()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(
+        {"settings": config_settings(config), "seeds": seeds, "vary": vary}, indent=1,
+        default=str))
+    results = []
+    with open(folder / "runs.jsonl", "w") as log:
+        for setting, setting_config in zip(grid, configs):
+            start = time.perf_counter()
+            runs = train_seeds(setting_config, range(config.seed, config.seed + seeds))
+            for line in _run_lines(setting, runs):
+                log.write(json.dumps(line) + "\n")
+            log.flush()
+            results.append((setting, runs))
+            say(f"{label(setting)}: validation loss "
+                + ", ".join(f"{v:.4f}" for v in runs.val_loss[:, -1])
+                + f" ({time.perf_counter() - start:.1f} s, compile {runs.compile_s:.1f} s)")
+    rows = summarise(results)
+    (folder / "summary.json").write_text(json.dumps(rows, indent=1))
+    table = _table(rows)
+    (folder / "table.md").write_text(table + "\n")
+    _plot(results, folder / "curves.png")
+    say(table)
+    return rows
+
+
+__all__ = ["bootstrap_difference", "parse_vary", "run_study", "settings_grid", "summarise"]

@@ -1,0 +1,64 @@
+"""`fusedpc study`: settings parsed and checked, the grid, the bootstrap verdict, and a tiny
+study end to end (its files, its table, never overwriting)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fusedpc.training import study
+
+
+def test_vary_is_parsed_by_each_settings_type_and_bad_input_names_it():
+    assert study.parse_vary(["lr=0.001,0.01", "n-blocks=1,2", "tensorboard=true"]) == {
+        "lr": [0.001, 0.01], "n_blocks": [1, 2], "tensorboard": [True]}
+    for text, message in [("lr", "expected name=v1,v2"), ("speed=1", "unknown setting 'speed'"),
+                          ("n_blocks=two", "n_blocks='two' is not a int"),
+                          ("seed=1,2", "the seeds are --seeds")]:
+        with pytest.raises(ValueError, match=message):
+            study.parse_vary([text])
+    with pytest.raises(ValueError, match="'lr' given twice"):
+        study.parse_vary(["lr=0.1", "lr=0.2"])
+
+
+def test_the_grid_is_every_combination_in_order():
+    grid = study.settings_grid({"lr": [1, 2], "n_blocks": [3, 4]})
+    assert grid == [{"lr": 1, "n_blocks": 3}, {"lr": 1, "n_blocks": 4},
+                    {"lr": 2, "n_blocks": 3}, {"lr": 2, "n_blocks": 4}]
+    assert study.settings_grid({}) == [{}]
+
+
+def test_the_bootstrap_interval_separates_distinct_samples_and_not_equal_ones():
+    rng = np.random.default_rng(0)
+    a = 2.0 + 0.01 * rng.standard_normal(5)
+    difference, low, high = study.bootstrap_difference(a, a - 0.1)
+    assert difference == pytest.approx(-0.1) and low < difference < high < 0
+    _, low, high = study.bootstrap_difference(a, a[::-1].copy())
+    assert low <= 0 <= high
+
+
+@pytest.mark.slow
+def test_a_tiny_study_writes_its_runs_table_and_curves(tmp_path, capsys):
+    from fusedpc.cli import main
+
+    out = tmp_path / "study"
+    argv = ["study", "--seeds", "2", "--vary", "lr=0.001,0.01", "--steps", "6",
+            "--eval-every", "3", "--eval-batches", "1", "--width", "16", "--n-heads", "2",
+            "--n-blocks", "1", "--max-len", "16", "--batch", "4", "--out", str(out)]
+    assert main(argv) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "curves.png", "runs.jsonl", "summary.json", "table.md"]
+    lines = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 2 * 2  # settings x seeds x evaluation points
+    assert {(r["lr"], r["seed"], r["step"]) for r in lines} == {
+        (lr, seed, step) for lr in (0.001, 0.01) for seed in (0, 1) for step in (3, 6)}
+    rows = json.loads((out / "summary.json").read_text())
+    assert [r["setting"] for r in rows] == ["lr=0.001", "lr=0.01"]
+    finals = [r["val_loss"] for r in lines if r["lr"] == 0.01 and r["step"] == 6]
+    assert rows[1]["val_loss_mean"] == pytest.approx(np.mean(finals), abs=1e-4)
+    assert rows[1]["verdict"] in ("lower", "higher", "no difference shown")
+    assert "| lr=0.01 |" in (out / "table.md").read_text()
+    assert main(argv) == 1  # the folder holds a study: refused, nothing overwritten
+    assert "is not empty" in capsys.readouterr().err
