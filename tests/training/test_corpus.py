@@ -100,6 +100,10 @@ def test_windows_come_from_the_map_as_from_the_array_and_resume_exactly(source, 
     assert first[0].dtype == np.int32
     for a, b in zip(first, loaded.next_batches(3), strict=True):
         assert np.array_equal(a, b)
+    part = opened.train[1000:5000]  # a slice of a map is read as the array it is
+    for a, b in zip(data.BatchIterator(part, 4, 16, seed=1).next_batch(),
+                    data.BatchIterator(np.asarray(part), 4, 16, seed=1).next_batch(), strict=True):
+        assert np.array_equal(a, b)
     resumed = data.BatchIterator(opened.train, 4, 16, seed=3)
     resumed.load_state_dict(mapped.state_dict())
     for a, b in zip(mapped.next_batch(), resumed.next_batch(), strict=True):

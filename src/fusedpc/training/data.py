@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import mmap
 import os
 from typing import Any, Protocol, runtime_checkable
 
@@ -306,8 +307,10 @@ class BatchIterator:
         # kept as given: a memory-mapped corpus stays on disk, each window read and widened;
         # its windows are read through a map opened for the one batch and closed after it
         # (as nanoGPT does), so the pages a run touches do not stay in its resident memory
-        self._file = ((data.filename, data.dtype, data.offset, data.shape)
-                      if isinstance(data, np.memmap) and data.filename else None)
+        # (a whole map only: a slice of one keeps its parent's offset, so it is read as an array)
+        whole = isinstance(data, np.memmap) and isinstance(data.base, mmap.mmap)
+        self._file = (data.filename, data.dtype, data.offset, data.shape) if whole and (
+            data.filename) else None
         self.data = _as_ids(data)
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
