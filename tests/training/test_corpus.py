@@ -75,6 +75,21 @@ def test_a_corpus_is_never_overwritten_and_bad_settings_name_the_argument(source
         corpus.open_corpus(tmp_path / "nothing")
 
 
+def test_a_failed_preparation_leaves_no_partial_file_and_can_be_retried(source, tmp_path):
+    (source / "z.txt").write_bytes(b"caf\xe9 latin-1")
+    out = tmp_path / "corpus"
+    with pytest.raises(ValueError, match=r"z.txt' is not UTF-8 \(byte 0xe9\)"):
+        corpus.prepare_corpus(source, out)
+    assert list(out.iterdir()) == []
+    (source / "z.txt").write_text("café", encoding="utf-8")
+    assert corpus.prepare_corpus(source, out)["train_tokens"] > 0
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="is empty; a corpus needs text"):
+        corpus.prepare_corpus(empty, tmp_path / "e")
+    assert not (tmp_path / "e").exists()
+
+
 def test_nanogpt_files_without_metadata_open_with_their_vocabulary(tmp_path):
     ids = np.arange(1000, dtype=np.uint16) % 50257
     ids.tofile(tmp_path / "train.bin")

@@ -118,8 +118,13 @@ def _chunks(files: list[Path]) -> Iterator[str]:
     """The files' text, `_CHUNK_CHARS` characters at a time (files joined as they are)."""
     for path in files:
         with open(path, encoding="utf-8", newline="") as handle:
-            while chunk := handle.read(_CHUNK_CHARS):
-                yield chunk
+            try:
+                while chunk := handle.read(_CHUNK_CHARS):
+                    yield chunk
+            except UnicodeDecodeError as err:
+                raise ValueError(f"source: {str(path)!r} is not UTF-8 (byte "
+                                 f"{err.object[err.start]:#04x}); convert it, for example "
+                                 "with iconv -f latin1 -t utf-8.") from None
 
 
 def _build_tokenizer(files: list[Path], kind: str, vocab_size: int | None) -> Any:
@@ -134,6 +139,38 @@ def _build_tokenizer(files: list[Path], kind: str, vocab_size: int | None) -> An
         raise ValueError(f"vocab: a BPE vocabulary needs more than the 256 bytes, got "
                          f"{vocab_size!r}.")
     return BPETokenizer.train(_chunks(files), vocab_size)
+
+
+def _write(files: list[Path], folder: Path, tokenizer: str, vocab_size: int | None,
+           validation_fraction: float) -> dict[str, Any]:
+    """`prepare_corpus`'s writing: the ids through `.partial` files, renamed when complete."""
+    model = _build_tokenizer(files, tokenizer, vocab_size)
+    dtype = ids_dtype(model.vocab_size)
+    everything = folder / "all.bin.partial"
+    count = 0
+    with open(everything, "wb") as handle:
+        for chunk in _chunks(files):
+            ids = model.encode(chunk)
+            handle.write(np.asarray(ids, dtype).tobytes())
+            count += len(ids)
+    if count < 2:
+        raise ValueError(f"source: {len(files)} file(s) with {count} token(s); a corpus needs "
+                         "text to train on.")
+    n_val = int(count * validation_fraction)
+    ids = np.memmap(everything, dtype=dtype, mode="r", shape=(count,))
+    for name, part in (("train.bin", ids[:count - n_val]), ("val.bin", ids[count - n_val:])):
+        with open(folder / f"{name}.partial", "wb") as handle:
+            for start in range(0, len(part), 1 << 24):
+                handle.write(np.asarray(part[start:start + (1 << 24)]).tobytes())
+    del ids
+    everything.unlink()
+    meta = {"format": FORMAT, "dtype": dtype.name, "vocab_size": int(model.vocab_size),
+            "train_tokens": count - n_val, "val_tokens": n_val,
+            "source": [str(p) for p in files], "tokenizer": model.to_dict()}
+    (folder / "meta.json.partial").write_text(json.dumps(meta, indent=1))
+    for name in ("train.bin", "val.bin", "meta.json"):  # every file complete: then named
+        os.replace(folder / f"{name}.partial", folder / name)
+    return meta
 
 
 def ids_dtype(vocab_size: int) -> np.dtype:
@@ -171,37 +208,21 @@ def prepare_corpus(
         raise ValueError(f"validation_fraction: expected a number in [0, 1), got "
                          f"{validation_fraction!r}.")
     files = source_files(source)
+    if all(p.stat().st_size == 0 for p in files):
+        raise ValueError(f"source: {str(source)!r} is empty; a corpus needs text to train on.")
     folder = Path(out)
     taken = [n for n in ("train.bin", "val.bin", "meta.json") if (folder / n).exists()]
     if taken:
         raise FileExistsError(f"out: {str(folder)!r} already holds {', '.join(taken)}; "
                               "choose a new folder (a corpus is never overwritten).")
     folder.mkdir(parents=True, exist_ok=True)
-    model = _build_tokenizer(files, tokenizer, vocab_size)
-    dtype = ids_dtype(model.vocab_size)
-    everything = folder / "all.bin.partial"
-    count = 0
-    with open(everything, "wb") as handle:
-        for chunk in _chunks(files):
-            ids = model.encode(chunk)
-            handle.write(np.asarray(ids, dtype).tobytes())
-            count += len(ids)
-    n_val = int(count * validation_fraction)
-    ids = np.memmap(everything, dtype=dtype, mode="r", shape=(count,))
-    for name, part in (("train.bin", ids[:count - n_val]), ("val.bin", ids[count - n_val:])):
-        with open(folder / f"{name}.partial", "wb") as handle:
-            for start in range(0, len(part), 1 << 24):
-                handle.write(np.asarray(part[start:start + (1 << 24)]).tobytes())
-    del ids
-    everything.unlink()
-    meta = {"format": FORMAT, "dtype": dtype.name, "vocab_size": int(model.vocab_size),
-            "train_tokens": count - n_val, "val_tokens": n_val,
-            "source": [str(p) for p in files], "tokenizer": model.to_dict()}
-    for name in ("train.bin", "val.bin"):
-        os.replace(folder / f"{name}.partial", folder / name)
-    partial = folder / "meta.json.partial"
-    partial.write_text(json.dumps(meta, indent=1))
-    os.replace(partial, folder / "meta.json")
+    try:
+        meta = _write(files, folder, tokenizer, vocab_size, validation_fraction)
+    except BaseException:
+        for name in ("all.bin.partial", "train.bin.partial", "val.bin.partial",
+                     "meta.json.partial"):
+            (folder / name).unlink(missing_ok=True)
+        raise
     return meta
 
 
