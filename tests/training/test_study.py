@@ -62,3 +62,25 @@ def test_a_tiny_study_writes_its_runs_table_and_curves(tmp_path, capsys):
     assert "| lr=0.01 |" in (out / "table.md").read_text()
     assert main(argv) == 1  # the folder holds a study: refused, nothing overwritten
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_a_study_table_in_the_config_file_gives_seeds_and_values(tmp_path):
+    from fusedpc.training import _config_file
+
+    path = tmp_path / "study.toml"
+    path.write_text('[optimiser]\nlr = 0.002\n\n[study]\nseeds = 4\n'
+                    'vary = {n_blocks = [1, 2], tensorboard = [false]}\n')
+    assert study.study_table(path) == (4, {"n_blocks": [1, 2], "tensorboard": [False]})
+    config = _config_file.resolve_config(path, other_sections=("study",))
+    assert config.lr == 0.002
+    with pytest.raises(ValueError, match=r"unknown section 'study'"):
+        _config_file.resolve_config(path)  # fusedpc train does not read a study
+    path.write_text('[study]\nseeds = 2\nrepeat = 3\n')
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['repeat'\] in \[study\]"):
+        study.study_table(path)
+    path.write_text('[study]\nvary = {lr = []}\n')
+    with pytest.raises(ValueError, match=r"vary must be a table of non-empty lists"):
+        study.study_table(path)
+    path.write_text('[study]\nvary = {width = ["wide"]}\n')
+    with pytest.raises(ValueError, match=r"width='wide' is not a int"):
+        study.study_table(path)

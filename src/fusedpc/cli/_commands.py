@@ -183,18 +183,20 @@ def study_command(args: argparse.Namespace) -> int:
     import datetime
 
     from fusedpc.training import _config_file, _runtime
-    from fusedpc.training.study import parse_vary, run_study
+    from fusedpc.training.study import parse_vary, run_study, study_table
 
     overrides = {
         setting_name(flag): getattr(args, setting_name(flag))
         for flag, _ in CONFIG_FLAGS
         if getattr(args, setting_name(flag)) is not None
     }
-    vary = parse_vary(args.vary or [])
-    config = _config_file.resolve_config(args.config, overrides)
+    seeds, vary = study_table(args.config) if args.config else (None, {})
+    vary.update(parse_vary(args.vary or []))  # a flag's setting replaces the file's
+    seeds = args.seeds if args.seeds is not None else 3 if seeds is None else seeds
+    config = _config_file.resolve_config(args.config, overrides, other_sections=("study",))
     out = args.out or os.path.join(
         "studies", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
     _runtime.select_platform(args.device)
-    run_study(config, args.seeds, vary, out)
+    run_study(config, seeds, vary, out)
     print(f"written: {out}/runs.jsonl, summary.json, table.md, curves.png")
     return 0

@@ -203,10 +203,12 @@ def _study(commands: _Commands) -> _Parser:
         "a bootstrap interval against the first setting) and curves.png into --out.",
     )
     study.add_argument("--config", metavar="FILE", help="TOML config file (see docs/cli.md)")
-    study.add_argument("--seeds", type=int, default=3, metavar="N",
-                       help="seeds per setting, from --seed on (default 3)")
+    study.add_argument("--seeds", type=int, default=None, metavar="N",
+                       help="seeds per setting, from --seed on (default: [study] seeds in "
+                       "--config, else 3)")
     study.add_argument("--vary", action="append", metavar="NAME=V1,V2,...",
-                       help="a setting and its values (repeat for a grid)")
+                       help="a setting and its values (repeat for a grid; adds to, or replaces "
+                       "a setting of, [study] vary in --config)")
     study.add_argument("--out", metavar="DIR",
                        help="a new output folder (default studies/<timestamp>)")
     _config_flags(study)

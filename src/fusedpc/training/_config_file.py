@@ -33,11 +33,13 @@ settings change; another `steps_per_call` or `devices` compiles other programs (
 another length, other cross-device reductions), which may round differently."""
 
 
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+def read_config_file(path: str | os.PathLike, other_sections: tuple[str, ...] = ()
+                     ) -> dict[str, Any]:
     """The settings of a TOML config file, flattened (sections as in `SECTIONS`).
 
     Raises `FileNotFoundError` for a missing file and `ValueError` for a malformed one, an
     unknown section or key, a key in the wrong section or a value of the wrong type.
+    `other_sections` are tables a command reads itself (`fusedpc study`'s `[study]`): skipped.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -56,6 +58,8 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     section_of.update({old: section_of[new] for old, new in RENAMED.items()})  # 0.1 keys
     flat: dict[str, Any] = {}
     for section, table in raw.items():
+        if section in other_sections and isinstance(table, dict):
+            continue
         if not isinstance(table, dict) and section in section_of:
             raise ValueError(
                 f"config file {path!r}: key {section!r} must be inside the "
@@ -105,7 +109,8 @@ def config_to_toml(config: TrainConfig) -> str:
 
 
 def resolve_config(
-    file: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None
+    file: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
+    other_sections: tuple[str, ...] = (),
 ) -> TrainConfig:
     """The defaults, then the config `file`, then `overrides`; validated.
 
@@ -122,7 +127,7 @@ def resolve_config(
     """
     settings: dict[str, Any] = {}
     if file is not None:
-        settings.update(read_config_file(file))
+        settings.update(read_config_file(file, other_sections))
     settings.update(coerce_settings(dict(overrides or {}), "settings"))
     config = config_from_settings(settings)
     config.validate()

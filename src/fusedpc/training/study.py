@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,28 @@ def parse_vary(texts: list[str]) -> dict[str, list[Any]]:
             raise ValueError("--vary: the seeds are --seeds, not a setting to vary.")
         out[name] = [_typed(name, v.strip()) for v in values.split(",")]
     return out
+
+
+def study_table(path: str | os.PathLike[str]) -> tuple[int | None, dict[str, list[Any]]]:
+    """The `[study]` table of a TOML config file: `seeds = N` and `vary = {name = [v1, v2]}`
+    (both optional; `(None, {})` without the table), checked as the flags are."""
+    with open(path, "rb") as handle:
+        table = tomllib.load(handle).get("study", {})
+    unknown = sorted(set(table) - {"seeds", "vary"})
+    if unknown:
+        raise ValueError(f"config file {str(path)!r}: unknown key(s) {unknown} in [study]; "
+                         "known keys there: seeds, vary.")
+    seeds = table.get("seeds")
+    if seeds is not None and (isinstance(seeds, bool) or not isinstance(seeds, int)):
+        raise ValueError(f"config file {str(path)!r}: [study] seeds must be an integer, got "
+                         f"{seeds!r}.")
+    vary = table.get("vary", {})
+    if not isinstance(vary, dict) or not all(isinstance(v, list) and v for v in vary.values()):
+        raise ValueError(f"config file {str(path)!r}: [study] vary must be a table of "
+                         "non-empty lists, e.g. vary = {lr = [0.001, 0.003]}.")
+    texts = [f"{name}=" + ",".join(str(v).lower() if isinstance(v, bool) else str(v)
+                                   for v in values) for name, values in vary.items()]
+    return seeds, parse_vary(texts)
 
 
 def _typed(name: str, text: str) -> Any:
@@ -196,4 +219,5 @@ def run_study(config: TrainConfig, seeds: int, vary: dict[str, list[Any]],
     return rows
 
 
-__all__ = ["bootstrap_difference", "parse_vary", "run_study", "settings_grid", "summarise"]
+__all__ = ["bootstrap_difference", "parse_vary", "run_study", "settings_grid", "study_table",
+           "summarise"]
