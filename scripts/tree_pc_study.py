@@ -74,6 +74,7 @@ class Variant(NamedTuple):
     adam: bool = False  # Adam over the latents at `rate` instead of gradient descent
     incremental: bool = False  # incremental PC: the weights step at every sweep
     tolerance: float | None = None  # adaptive inference: stop once the energy settles
+    fixed: bool = False  # fixed prediction: predictions and Jacobians held at feed-forward
 
     def relaxation(self, probe: bool = False) -> fusedpc.Relaxation | None:
         if self.latents == "none":
@@ -81,7 +82,8 @@ class Variant(NamedTuple):
         return fusedpc.Relaxation(steps=self.steps, rate=self.rate, record_energy=probe,
                                   backprop_distance=probe,
                                   optimiser=optax.adam(self.rate) if self.adam else None,
-                                  incremental=self.incremental, tolerance=self.tolerance)
+                                  incremental=self.incremental, tolerance=self.tolerance,
+                                  fixed_prediction=self.fixed)
 
 
 def _say(text: str) -> None:
@@ -110,6 +112,9 @@ def variants(steps_list: list[int], rates: list[float], blocks_steps: int,
             if "adaptive" in schedules:
                 out[f"tree_pc_all_T{steps}{suffix}_adaptive"] = Variant(
                     "all", steps, rate, tolerance=tolerance)
+            if "fixed" in schedules:
+                out[f"tree_pc_all_T{steps}{suffix}_fixed"] = Variant("all", steps, rate,
+                                                                      fixed=True)
     for rate in adam_rates:
         for steps in steps_list:
             out[f"tree_pc_all_T{steps}_adam{rate:g}"] = Variant("all", steps, rate, adam=True)
@@ -399,8 +404,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the relaxation rates of the fully-PC runs")
     parser.add_argument("--schedules", default="",
                         help="also run the fully-PC variants as incremental PC and/or with "
-                        "adaptive inference: a comma list of incremental, adaptive (variants "
-                        "tree_pc_all_T<T>[_rate<r>]_incremental, ..._adaptive)")
+                        "adaptive inference, or under fixed prediction: a comma list of "
+                        "incremental, adaptive, fixed (variants "
+                        "tree_pc_all_T<T>[_rate<r>]_incremental, ..._adaptive, ..._fixed)")
     parser.add_argument("--tolerance", type=float, default=1e-3,
                         help="the relative energy change at which the *_adaptive variants stop")
     parser.add_argument("--latent-adam-rates", default="",
@@ -440,9 +446,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rates = [float(v) for v in args.rates.split(",") if v.strip()]
     adam_rates = tuple(float(v) for v in args.latent_adam_rates.split(",") if v.strip())
     schedules = tuple(v.strip() for v in args.schedules.split(",") if v.strip())
-    unknown = sorted(set(schedules) - {"incremental", "adaptive"})
+    unknown = sorted(set(schedules) - {"incremental", "adaptive", "fixed"})
     if unknown:
-        parser.error(f"--schedules: unknown {unknown}; choose from incremental, adaptive")
+        parser.error(f"--schedules: unknown {unknown}; choose from incremental, adaptive, fixed")
     table = variants(steps_list, rates, args.blocks_inference_steps, adam_rates, schedules,
                      args.tolerance)
     if args.variants:
