@@ -9,14 +9,16 @@ from fusedpc.cli._flags import CONFIG_FLAGS, setting_name
 from fusedpc.training import gpt_step_temporaries, host_memory_choice
 
 
+def _given_settings(args: argparse.Namespace) -> dict:
+    """The `TrainConfig` settings the command line gave (the flags not given are None)."""
+    return {setting_name(flag): getattr(args, setting_name(flag)) for flag, _ in CONFIG_FLAGS
+            if getattr(args, setting_name(flag)) is not None}
+
+
 def train_command(args: argparse.Namespace) -> int:
     from fusedpc.training import _config_file, _loop, _runtime
 
-    overrides = {
-        setting_name(flag): getattr(args, setting_name(flag))
-        for flag, _ in CONFIG_FLAGS
-        if getattr(args, setting_name(flag)) is not None
-    }
+    overrides = _given_settings(args)
     if args.distributed:
         overrides["distributed"] = True
     if args.resume is not None:
@@ -185,11 +187,7 @@ def study_command(args: argparse.Namespace) -> int:
     from fusedpc.training import _config_file, _runtime
     from fusedpc.training.study import parse_vary, run_study, study_table
 
-    overrides = {
-        setting_name(flag): getattr(args, setting_name(flag))
-        for flag, _ in CONFIG_FLAGS
-        if getattr(args, setting_name(flag)) is not None
-    }
+    overrides = _given_settings(args)
     seeds, vary = study_table(args.config) if args.config else (None, {})
     vary.update(parse_vary(args.vary or []))  # a flag's setting replaces the file's
     seeds = args.seeds if args.seeds is not None else 3 if seeds is None else seeds
