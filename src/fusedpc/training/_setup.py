@@ -20,7 +20,7 @@ from fusedpc.training._config_file import CHECKPOINT_NAME, resume_config
 from fusedpc.training._optimisers import learning_rate_schedule, make_optimiser
 from fusedpc.training._rates import scale_by_rate_multiplier, with_rate_multiplier
 from fusedpc.training.corpus import open_corpus
-from fusedpc.transformer._build import build_gpt
+from fusedpc.transformer._build import GPTConfig, build_gpt
 
 
 def config_schedule(config: TrainConfig, scale: float = 1.0):
@@ -171,9 +171,10 @@ def parameter_count(config: TrainConfig, vocab_size: int) -> int:
     )
 
 
-def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
-    """The `FusedPipeline` of a run: `build_gpt` at `jax.random.key(config.seed)`."""
-    gpt = config.gpt_config(vocab_size)
+def build_part(config: TrainConfig, gpt: GPTConfig, key: jax.Array):
+    """The run's GPT part (`build_gpt` of `gpt`, the model of `config`) at `key`: every slot
+    with the optimiser the config gives it (its rate scale; under a calibration of the synaptic
+    rule, a rate multiplier over the rule's own steps)."""
     slot_optimisers: dict[str, Any] = {
         slot: config_optimiser(config, scale) for slot, scale in config.lr_scales().items()
     }
@@ -182,18 +183,26 @@ def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
         for slot in config.calibrated_slots():
             if slot != "norm":
                 slot_optimisers[slot] = scale_by_rate_multiplier()
-    part, _ = build_gpt(
-        gpt, config_optimiser(config), jax.random.key(config.seed), slot_optimisers=slot_optimisers
-    )
+    return build_gpt(gpt, config_optimiser(config), key, slot_optimisers=slot_optimisers)[0]
+
+
+def model_relaxation(gpt: GPTConfig) -> Relaxation | None:
+    """The relaxation of a model with latents (None without)."""
+    return None if gpt.latents == "none" else Relaxation(
+        steps=gpt.relaxation_steps, rate=gpt.relaxation_rate,
+        tolerance=gpt.relaxation_tolerance, incremental=gpt.relaxation_incremental)
+
+
+def build_pipeline(config: TrainConfig, vocab_size: int, mesh=None):
+    """The `FusedPipeline` of a run: `build_part` at `jax.random.key(config.seed)`."""
+    gpt = config.gpt_config(vocab_size)
     return FusedPipeline(
-        part,
+        build_part(config, gpt, jax.random.key(config.seed)),
         gpt.error_fn,
         key=jax.random.key(config.seed),
         mesh=mesh,
         settings=config.step_settings,
-        relaxation=None if gpt.latents == "none" else Relaxation(
-            steps=gpt.relaxation_steps, rate=gpt.relaxation_rate,
-            tolerance=gpt.relaxation_tolerance, incremental=gpt.relaxation_incremental),
+        relaxation=model_relaxation(gpt),
     )
 
 

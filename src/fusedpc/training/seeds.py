@@ -15,6 +15,7 @@ choose differently from the lone product's (tested: `tests/training/test_seeds.p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,12 +26,10 @@ import numpy as np
 
 from fusedpc.execution._program import make_step
 from fusedpc.execution._step_types import StepCarry, fresh_counters
-from fusedpc.execution._tree_relaxation import Relaxation
 from fusedpc.training import data
 from fusedpc.training._config import TrainConfig
 from fusedpc.training._evaluate import cross_entropy
-from fusedpc.training._setup import config_optimiser, load_tokens
-from fusedpc.transformer._build import build_gpt
+from fusedpc.training._setup import build_part, load_tokens, model_relaxation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,21 +58,13 @@ class SeedRuns:
 
 
 def _builder(config: TrainConfig, vocab_size: int):
-    """`build(key) -> part` for the run's model, optimiser and relaxation settings."""
-    gpt = config.gpt_config(vocab_size)
+    """`(build, gpt, relaxation)`: `build(key) -> part` as `fusedpc train` builds the run's
+    model (`build_part`), its `GPTConfig`, its relaxation."""
     if config.calibrate != "none":
         raise ValueError("calibrate: a study of seeds runs without the calibration (its trials "
                          "are host-side decisions per run); set calibrate = 'none'.")
-    slot_optimisers = {slot: config_optimiser(config, scale)
-                       for slot, scale in config.lr_scales().items()}
-
-    def build(key: jax.Array):
-        return build_gpt(gpt, config_optimiser(config), key, slot_optimisers=slot_optimisers)[0]
-
-    relaxation = None if gpt.latents == "none" else Relaxation(
-        steps=gpt.relaxation_steps, rate=gpt.relaxation_rate,
-        tolerance=gpt.relaxation_tolerance, incremental=gpt.relaxation_incremental)
-    return build, gpt, relaxation
+    gpt = config.gpt_config(vocab_size)
+    return functools.partial(build_part, config, gpt), gpt, model_relaxation(gpt)
 
 
 def train_seeds(config: TrainConfig, seeds: Sequence[int], *, tokenizer: Any = None,
