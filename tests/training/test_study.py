@@ -82,5 +82,5 @@ def test_a_study_table_in_the_config_file_gives_seeds_and_values(tmp_path):
     with pytest.raises(ValueError, match=r"vary must be a table of non-empty lists"):
         study.study_table(path)
     path.write_text('[study]\nvary = {width = ["wide"]}\n')
-    with pytest.raises(ValueError, match=r"width='wide' is not a int"):
+    with pytest.raises(ValueError, match=r"\[study\] vary: width must be int, got 'wide'"):
         study.study_table(path)

@@ -30,28 +30,31 @@ from typing import Any
 import numpy as np
 
 from fusedpc.training._config import TrainConfig
-from fusedpc.training._settings import SETTINGS, config_from_settings, config_settings
+from fusedpc.training._settings import (
+    SETTINGS,
+    coerce_settings,
+    config_from_settings,
+    config_settings,
+)
 from fusedpc.training.seeds import SeedRuns, train_seeds
 
 RESAMPLES = 10_000
 
 
 def parse_vary(texts: list[str]) -> dict[str, list[Any]]:
-    """`["lr=0.001,0.003", ...]` as `{"lr": [0.001, 0.003]}`, each value of its setting's
-    type; names and values checked (the message names the bad one)."""
+    """`["lr=0.001,0.003", ...]` as `{"lr": [0.001, 0.003]}`, each value read as its
+    setting's type and checked as a config file's are (the message names the bad one)."""
     out: dict[str, list[Any]] = {}
     for text in texts:
         name, sep, values = text.partition("=")
         name = name.strip().replace("-", "_")
         if not sep or not values.strip():
             raise ValueError(f"--vary: expected name=v1,v2,..., got {text!r}.")
-        if name not in SETTINGS:
-            raise ValueError(f"--vary: unknown setting {name!r}; known: {', '.join(SETTINGS)}.")
         if name in out:
             raise ValueError(f"--vary: {name!r} given twice.")
-        if name == "seed":
-            raise ValueError("--vary: the seeds are --seeds, not a setting to vary.")
-        out[name] = [_typed(name, v.strip()) for v in values.split(",")]
+        _known(name, "--vary")
+        out[name] = _checked(name, [_typed(name, v.strip()) for v in values.split(",")],
+                             "--vary")
     return out
 
 
@@ -60,30 +63,46 @@ def study_table(path: str | os.PathLike[str]) -> tuple[int | None, dict[str, lis
     (both optional; `(None, {})` without the table), checked as the flags are."""
     with open(path, "rb") as handle:
         table = tomllib.load(handle).get("study", {})
+    where = f"config file {str(path)!r}"
     unknown = sorted(set(table) - {"seeds", "vary"})
     if unknown:
-        raise ValueError(f"config file {str(path)!r}: unknown key(s) {unknown} in [study]; "
-                         "known keys there: seeds, vary.")
+        raise ValueError(f"{where}: unknown key(s) {unknown} in [study]; known keys there: "
+                         "seeds, vary.")
     seeds = table.get("seeds")
     if seeds is not None and (isinstance(seeds, bool) or not isinstance(seeds, int)):
-        raise ValueError(f"config file {str(path)!r}: [study] seeds must be an integer, got "
-                         f"{seeds!r}.")
+        raise ValueError(f"{where}: [study] seeds must be an integer, got {seeds!r}.")
     vary = table.get("vary", {})
     if not isinstance(vary, dict) or not all(isinstance(v, list) and v for v in vary.values()):
-        raise ValueError(f"config file {str(path)!r}: [study] vary must be a table of "
-                         "non-empty lists, e.g. vary = {lr = [0.001, 0.003]}.")
-    texts = [f"{name}=" + ",".join(str(v).lower() if isinstance(v, bool) else str(v)
-                                   for v in values) for name, values in vary.items()]
-    return seeds, parse_vary(texts)
+        raise ValueError(f"{where}: [study] vary must be a table of non-empty lists, e.g. "
+                         "vary = {lr = [0.001, 0.003]}.")
+    return seeds, {name: _checked(name, values, f"{where}: [study] vary")
+                   for name, values in vary.items()}
+
+
+def _known(name: str, where: str) -> None:
+    """A setting a study may vary: one of `SETTINGS`, not the seed."""
+    if name not in SETTINGS:
+        raise ValueError(f"{where}: unknown setting {name!r}; known: {', '.join(SETTINGS)}.")
+    if name == "seed":
+        raise ValueError(f"{where}: the seeds are --seeds, not a setting to vary.")
+
+
+def _checked(name: str, values: list[Any], where: str) -> list[Any]:
+    """`values` of the setting `name`, each checked by the config file's own rules
+    (`coerce_settings`)."""
+    _known(name, where)
+    return [coerce_settings({name: value}, where)[name] for value in values]
 
 
 def _typed(name: str, text: str) -> Any:
+    """A command-line value as its setting's type (`true`/`false` for a boolean and for
+    `scan`, whose other value is `auto`)."""
     kind = type(SETTINGS[name])
+    if kind is bool or (name == "scan" and text.lower() in ("true", "false")):
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"--vary: {name}={text!r} is not true or false.")
+        return text.lower() == "true"
     try:
-        if kind is bool:
-            if text.lower() not in ("true", "false"):
-                raise ValueError
-            return text.lower() == "true"
         return kind(text)
     except ValueError:
         raise ValueError(f"--vary: {name}={text!r} is not a {kind.__name__}.") from None
