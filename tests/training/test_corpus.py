@@ -52,6 +52,8 @@ def test_prepare_writes_flat_ids_and_metadata_that_open_and_round_trip(source, t
             continue
         ids = opened.tokenizer.encode(sample)
         assert opened.tokenizer.decode(ids) == sample
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        opened.tokenizer.decode([opened.vocab_size])
     rebuilt = data.tokenizer_from_dict(json.loads(json.dumps(opened.tokenizer.to_dict())))
     assert rebuilt.to_dict() == opened.tokenizer.to_dict()
 

@@ -74,10 +74,7 @@ class BPETokenizer:
 
     def decode(self, ids: Any) -> str:
         """The text of `ids` (bytes that are not UTF-8 become U+FFFD)."""
-        arr = np.asarray(ids)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got values from "
-                             f"{arr.min()} to {arr.max()}")
+        arr = data.ids_in_range(ids, self.vocab_size)
         return self._model.decode(arr.astype(np.int64).tolist())
 
     def to_dict(self) -> dict[str, Any]:

@@ -98,6 +98,18 @@ def _as_ids(ids: Any) -> np.ndarray:
     return arr
 
 
+def ids_in_range(ids: Any, vocab_size: int) -> np.ndarray:
+    """`ids` as a 1-D integer array, every id in `[0, vocab_size)` (else a `ValueError`
+    naming the range and the values found): what a tokeniser's `decode` takes."""
+    arr = _as_ids(ids)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        raise ValueError(
+            f"token ids must lie in [0, {vocab_size}), got values from {arr.min()} "
+            f"to {arr.max()}"
+        )
+    return arr
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     """What a run needs of a tokeniser; `CharTokenizer` and `ByteTokenizer` are two, and any
@@ -192,12 +204,7 @@ class CharTokenizer:
 
     def decode(self, ids: Any) -> str:
         """The string whose token ids are `ids` (a 1-D integer sequence)."""
-        arr = _as_ids(ids)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            raise ValueError(
-                f"token ids must lie in [0, {self.vocab_size}), got values from {arr.min()} "
-                f"to {arr.max()}"
-            )
+        arr = ids_in_range(ids, self.vocab_size)
         return self._codes[arr.astype(np.int64)].astype("<u4").tobytes().decode("utf-32-le")
 
     def to_dict(self) -> dict[str, Any]:
