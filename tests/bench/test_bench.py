@@ -204,6 +204,26 @@ def test_bad_inference_settings_are_refused():
         bench.BenchArgs(inference_tolerance=-1.0)
     with pytest.raises(ValueError, match="--incremental-inference and --inference-tolerance"):
         bench.BenchArgs(inference_tolerance=0.01, incremental_inference=True)
+    with pytest.raises(ValueError, match="--parameterisation must be standard or mupc"):
+        bench.BenchArgs(parameterisation="mup")
+
+
+@pytest.mark.slow
+def test_mupc_reaches_every_variant_and_its_twin(capsys):
+    argv = [*MICRO, "--n-blocks", "3", "--in-process", "--no-donate-probe", "--variants",
+            "fused,fused_tree_pc,backprop", "--inference-steps", "2",
+            "--parameterisation", "mupc"]
+    assert bench.main(argv) == 0
+    rows, _ = _rows(capsys)
+    timed = [row for row in rows if "step_ms" in row]
+    assert {row["variant"] for row in timed} == {"fused", "fused_tree_pc", "backprop"}
+    assert all(row["parameterisation"] == "mupc" and row["step_ms"] > 0 for row in timed)
+    from fusedpc.bench._setup import Setup
+
+    config, part, reference = Setup(bench.BenchArgs(parameterisation="mupc"), 3).build("auto")
+    assert config.branch_scale == pytest.approx(1 / 6 ** 0.5)
+    assert {b.branch_scale for b in reference.blocks} == {config.branch_scale}
+    assert {b.branch_scale for _, b in part.blocks.children()} == {config.branch_scale}
 
 
 @pytest.mark.slow

@@ -124,6 +124,7 @@ class BenchArgs:
     inference_rate: float = 0.1
     inference_tolerance: float = 0.0
     incremental_inference: bool = False
+    parameterisation: str = "standard"
 
     def __post_init__(self):
         for name in ("vocab", "width", "n_heads", "max_len", "batch", "steps", "k", "devices"):
@@ -138,6 +139,9 @@ class BenchArgs:
         if not self.inference_tolerance >= 0:
             raise ValueError(
                 f"--inference-tolerance must be >= 0 (0: none), got {self.inference_tolerance}")
+        if self.parameterisation not in ("standard", "mupc"):
+            raise ValueError(f"--parameterisation must be standard or mupc, got "
+                             f"{self.parameterisation!r}")
         if self.incremental_inference and self.inference_tolerance:
             raise ValueError("--incremental-inference and --inference-tolerance: an incremental "
                              "relaxation runs every sweep; choose one")
@@ -410,6 +414,11 @@ def _numeric_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
         "--incremental-inference", type=_true_false, default=d.incremental_inference,
         help="tree-PC variants: true for incremental PC, the weights step at every sweep "
         "(default false)",
+    )
+    p.add_argument(
+        "--parameterisation", choices=("standard", "mupc"), default=d.parameterisation,
+        help="every variant's GPT: standard, or mupc (each block's residual branches scaled "
+        "by 1/sqrt(2 n_blocks), the depth multiplier of muPC; the twin alike)",
     )
     # A measuring process: reads its task and the parent's BenchArgs from stdin (_workers).
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

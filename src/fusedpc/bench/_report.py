@@ -23,6 +23,7 @@ def config_fields(args: BenchArgs, n_blocks: int) -> dict[str, Any]:
         "lr": args.lr,
         "nonfinite": args.nonfinite,
         "dtype": args.dtype,
+        "parameterisation": args.parameterisation,
         "steps": args.steps,
         "devices": args.devices,
     }

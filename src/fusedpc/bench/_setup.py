@@ -117,7 +117,7 @@ class Setup:
             vocab_size=args.vocab, width=args.width, n_heads=args.n_heads,
             n_blocks=self.n_blocks, ff_width=args.ff_width, max_len=args.max_len,
             learn=args.learning, scan=scan,
-            compute_dtype=args.dtype, **kind,
+            compute_dtype=args.dtype, parameterisation=args.parameterisation, **kind,
         )
 
     def build(

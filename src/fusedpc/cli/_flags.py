@@ -33,6 +33,8 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
      "change falls below this (at most --inference-steps); 0: always all"),
     ("--incremental-inference", "true, with --latents: incremental PC, the weights step at "
      "every sweep too"),
+    ("--parameterisation", "standard, or mupc: every block's two residual branches scaled by "
+     "1/sqrt(2 n_blocks) (the depth multiplier of muPC), for deep stacks"),
     ("--head-kind", "gaussian (logits) or categorical (probabilities)"),
     ("--fused-qkv", "true: the learning query, key and value projections as one fused part"),
     ("--hidden-precision", "precision of the feed-forward's hidden-layer errors"),

@@ -24,7 +24,7 @@ MODEL_SETTINGS = (
     "width", "n_heads", "n_blocks", "ff_width", "max_len", "learn", "learning_kind", "window",
     "inference_steps", "inference_rate", "head_kind", "fused_qkv", "hidden_precision", "scan",
     "attention_mixing", "compute_dtype", "norm", "positions", "feed_forward", "latents",
-    "latent_precision", "inference_tolerance", "incremental_inference",
+    "latent_precision", "inference_tolerance", "incremental_inference", "parameterisation",
 )
 """The settings of `TrainConfig.model`: `GPTConfig` fields by their own names, and the learning
 keywords (`LEARNING_SETTINGS`)."""

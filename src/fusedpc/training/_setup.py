@@ -158,7 +158,7 @@ def parameter_count(config: TrainConfig, vocab_size: int) -> int:
     def make():
         return GPT(vocab_size, m.width, m.n_heads, m.n_blocks, m.ff_width, m.max_len,
                    norm=m.norm, positions=m.positions, feed_forward=m.feed_forward,
-                   key=jax.random.key(0))
+                   branch_scale=m.branch_scale, key=jax.random.key(0))
 
     shapes = eqx.filter_eval_shape(make)
     leaves = jax.tree_util.tree_leaves(shapes)

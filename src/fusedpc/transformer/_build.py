@@ -25,6 +25,9 @@ from fusedpc.transformer._slots import (
 from fusedpc.transformer._stacking import blocks_form
 from fusedpc.transformer.reference import FEED_FORWARDS, GPT, NORMS, POSITIONS
 
+PARAMETERISATIONS = ("standard", "mupc")
+"""`GPTConfig.parameterisation` (and `fusedpc train --parameterisation`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -50,6 +53,11 @@ class GPTConfig:
     `relaxation_rate`, or fewer once the energy's relative change is below
     `relaxation_tolerance` (None: always all), the weights stepping at every sweep with
     `relaxation_incremental` (what `fusedpc train` makes its `fusedpc.Relaxation` of).
+    `parameterisation` `"mupc"` scales both residual branches of every block by
+    $1/\\sqrt{2L}$ (L = `n_blocks`; `branch_scale` of the reference `Block` and of the
+    `TransformerBlock`), the depth multiplier of μPC (`fusedpc.residual_pc_network`), so the
+    residual stream, the errors and the effect of a weight step on the stream stay of the same
+    size at any depth; `"standard"` (the default) adds the branches as they are.
     """
 
     vocab_size: int = 65
@@ -76,6 +84,12 @@ class GPTConfig:
     relaxation_rate: float = 0.1
     relaxation_tolerance: float | None = None
     relaxation_incremental: bool = False
+    parameterisation: str = "standard"
+
+    @property
+    def branch_scale(self) -> float:
+        """Every block's residual-branch multiplier: $1/\\sqrt{2L}$ under `"mupc"`, else 1."""
+        return 1.0 / math.sqrt(2 * self.n_blocks) if self.parameterisation == "mupc" else 1.0
 
     def learning_slots(self) -> tuple[str, ...]:
         """The slots that learn, in `SLOTS` order for a preset (without `"position"` under
@@ -147,6 +161,9 @@ class GPTConfig:
                 f"head width width / n_heads must be even, got {self.width} / {self.n_heads} = "
                 f"{self.width // self.n_heads}."
             )
+        if self.parameterisation not in PARAMETERISATIONS:
+            raise ValueError(f"GPTConfig.parameterisation must be one of {PARAMETERISATIONS}, "
+                             f"got {self.parameterisation!r}.")
         if self.latents not in LATENT_PLACES:
             raise ValueError(
                 f"GPTConfig.latents must be one of {LATENT_PLACES}, got {self.latents!r}.")
@@ -201,6 +218,7 @@ def build_gpt(
         norm=config.norm,
         positions=config.positions,
         feed_forward=config.feed_forward,
+        branch_scale=config.branch_scale,
     )
     learn = {slot: slot_optimisers.get(slot, optimiser) for slot in config.learning_slots()}
     part = hybrid_from_gpt(

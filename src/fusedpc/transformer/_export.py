@@ -45,6 +45,12 @@ def _block_to_reference(
 ) -> Block:
     """`ref` (a reference block) holding the weights of `block`, found at `where`."""
     attention = block.attention
+    if block.branch_scale != ref.branch_scale:
+        raise ValueError(
+            f"to_reference: {where} has branch_scale={block.branch_scale!r} but the "
+            f"reference's blocks branch_scale={ref.branch_scale!r}; pass a reference built "
+            "with the part's options (GPT(branch_scale=...), as GPTConfig.parameterisation "
+            "sets it).")
     if isinstance(attention, MultiHeadAttention) and (
         attention.positions != ref.attn.positions
     ):

@@ -16,6 +16,7 @@ table: `position=None`, $h_0 = T[\\mathrm{ids}]$, and its state's `position` fie
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -58,6 +59,11 @@ class TransformerBlock(AbstractPart):
     Backward: $e_{h'} = e + n_2^\\top(\\mathrm{ff}^\\top(e))$,
     $e_h = e_{h'} + n_1^\\top(\\mathrm{attention}^\\top(e_{h'}))$.
     Every slot is any part; report rows read `...n1`, `...attention.wq`, `...feed_forward`.
+
+    `branch_scale` $a$ multiplies both branches, $h' = h + a\\,\\mathrm{attention}(n_1(h))$,
+    $h'' = h' + a\\,\\mathrm{ff}(n_2(h'))$, and so the errors they receive ($a\\,e$); 1 (the
+    default) adds them as they are. `GPTConfig(parameterisation="mupc")` sets it to
+    $1/\\sqrt{2L}$ (the reference `Block`'s `branch_scale`).
     """
 
     defers_updates: ClassVar[bool] = True
@@ -66,12 +72,19 @@ class TransformerBlock(AbstractPart):
     attention: AbstractPart
     n2: AbstractPart
     feed_forward: AbstractPart
+    branch_scale: float = eqx.field(static=True, default=1.0)
 
-    def __init__(self, n1, attention, n2, feed_forward):
+    def __init__(self, n1, attention, n2, feed_forward, branch_scale=1.0):
         self.n1 = check_part(n1, "TransformerBlock.n1")
         self.attention = check_part(attention, "TransformerBlock.attention")
         self.n2 = check_part(n2, "TransformerBlock.n2")
         self.feed_forward = check_part(feed_forward, "TransformerBlock.feed_forward")
+        scale = float(branch_scale) if isinstance(branch_scale, int | float) and not isinstance(
+            branch_scale, bool) else float("nan")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"TransformerBlock: branch_scale must be a finite number > 0, got "
+                             f"{branch_scale!r}.")
+        self.branch_scale = scale
 
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         return tuple((name, getattr(self, name)) for name in _BLOCK_SLOTS)
@@ -91,21 +104,27 @@ class TransformerBlock(AbstractPart):
     def compile(self, path: str) -> Core:
         names = _BLOCK_SLOTS
         cores = {n: getattr(self, n).compile(join_path(path, n)) for n in names}
+        branch = self.branch_scale
+
+        def scaled(value):  # a branch's output, or the error it receives
+            return value if branch == 1.0 else branch * value
 
         def forward(state: BlockState, x, ctx):
             a, c_n1 = cores["n1"].forward(state.n1, x, ctx)
             a, c_attn = cores["attention"].forward(state.attention, a, ctx)
-            h = x + a
+            h = x + scaled(a)
             f, c_n2 = cores["n2"].forward(state.n2, h, ctx)
             f, c_ff = cores["feed_forward"].forward(state.feed_forward, f, ctx)
-            return h + f, BlockCache(c_n1, c_attn, c_n2, c_ff)
+            return h + scaled(f), BlockCache(c_n1, c_attn, c_n2, c_ff)
 
         def backward(state: BlockState, cache: BlockCache, error, ctx):
             c_n1, c_attn, c_n2, c_ff = cache.n1, cache.attention, cache.n2, cache.feed_forward
-            e, s_ff, m_ff = cores["feed_forward"].backward(state.feed_forward, c_ff, error, ctx)
+            e, s_ff, m_ff = cores["feed_forward"].backward(state.feed_forward, c_ff,
+                                                           scaled(error), ctx)
             e, s_n2, m_n2 = cores["n2"].backward(state.n2, c_n2, e, ctx)
             e_h = error + e
-            e, s_attn, m_attn = cores["attention"].backward(state.attention, c_attn, e_h, ctx)
+            e, s_attn, m_attn = cores["attention"].backward(state.attention, c_attn,
+                                                            scaled(e_h), ctx)
             e, s_n1, m_n1 = cores["n1"].backward(state.n1, c_n1, e, ctx)
             metrics = named(n1=m_n1, attention=m_attn, n2=m_n2, feed_forward=m_ff)
             return e_h + e, BlockState(s_n1, s_attn, s_n2, s_ff), metrics

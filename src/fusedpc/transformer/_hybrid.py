@@ -128,6 +128,7 @@ def _blocks(
                                           attention_mixing),
                 n2=check_part(norm(block.n2), f"{where}.n2"),
                 feed_forward=check_part(ff, f"{where}.feed_forward"),
+                branch_scale=block.branch_scale,
             )
         )
     return blocks, norm

@@ -67,6 +67,14 @@ def _check_option(name: str, value: object, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"GPT: {name} must be one of {allowed}, got {value!r}.")
 
 
+def _checked_branch_scale(value: object) -> float:
+    scale = float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        else math.nan
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"branch_scale must be a finite number > 0, got {value!r}")
+    return scale
+
+
 def _make_norm(norm: str, width: int) -> eqx.nn.LayerNorm | eqx.nn.RMSNorm:
     if norm == "rms":
         return eqx.nn.RMSNorm(width, use_bias=False)
@@ -206,13 +214,16 @@ class Block(eqx.Module):
     ``h <- h + attn(N1(h))`` followed by ``h <- h + ff(N2(h))``, on ``(B, T, W)``; the norms
     are LayerNorms (``norm="layer"``) or RMSNorms (``"rms"``), the feed-forward a `FeedForward`
     (``feed_forward="gelu"``) or a `SwiGLU` (``"swiglu"``), and the attention rotates its
-    queries and keys with ``positions="rotary"``.
+    queries and keys with ``positions="rotary"``. ``branch_scale`` ``a`` multiplies both
+    branches, ``h <- h + a attn(N1(h))``, ``h <- h + a ff(N2(h))`` (1: none; the depth
+    multiplier of ``GPT(branch_scale=...)``).
     """
 
     attn: CausalSelfAttention
     ff: FeedForward | SwiGLU
     n1: eqx.nn.LayerNorm | eqx.nn.RMSNorm
     n2: eqx.nn.LayerNorm | eqx.nn.RMSNorm
+    branch_scale: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -225,9 +236,11 @@ class Block(eqx.Module):
         positions: str | None = None,
         feed_forward: str = "gelu",
         rotary_base: float = 10000.0,
+        branch_scale: float = 1.0,
     ):
         _check_option("norm", norm, NORMS)
         _check_option("feed_forward", feed_forward, FEED_FORWARDS)
+        self.branch_scale = _checked_branch_scale(branch_scale)
         ka, kf = jr.split(key)
         self.attn = CausalSelfAttention(
             width, n_heads, key=ka, positions=positions, rotary_base=rotary_base
@@ -242,8 +255,11 @@ class Block(eqx.Module):
     def __call__(
         self, h: Float[Array, "batch seq width"]  # noqa: F722 - a jaxtyping shape
     ) -> Float[Array, "batch seq width"]:  # noqa: F722 - a jaxtyping shape
-        h = h + self.attn(normalise(self.n1, h))
-        return h + self.ff(normalise(self.n2, h))
+        if self.branch_scale == 1.0:
+            h = h + self.attn(normalise(self.n1, h))
+            return h + self.ff(normalise(self.n2, h))
+        h = h + self.branch_scale * self.attn(normalise(self.n1, h))
+        return h + self.branch_scale * self.ff(normalise(self.n2, h))
 
 
 class GPT(eqx.Module):
@@ -278,6 +294,10 @@ class GPT(eqx.Module):
             head width ``W / H`` must be even).
         feed_forward: ``"gelu"`` (`FeedForward`, the default) or ``"swiglu"`` (`SwiGLU`).
         rotary_base: ``b`` of the rotary angles ``t * b**(-2 i / d)``.
+        branch_scale: ``a > 0``, every block's multiplier of its two residual branches
+            (`Block`); 1 (the default) adds them as they are. ``1 / sqrt(2 L)`` is the
+            depth-muP multiplier of ``GPTConfig(parameterisation="mupc")``: the stream stays
+            of the same size at any depth.
 
     The defaults draw exactly the model (and the random numbers) of a GPT without options.
     """
@@ -304,6 +324,7 @@ class GPT(eqx.Module):
         positions: str = "table",
         feed_forward: str = "gelu",
         rotary_base: float = 10000.0,
+        branch_scale: float = 1.0,
     ):
         if n_heads < 1 or width % n_heads != 0:
             raise ValueError(f"width ({width}) must be divisible by n_heads ({n_heads})")
@@ -334,7 +355,8 @@ class GPT(eqx.Module):
         attention_positions = "rotary" if positions == "rotary" else None
         self.blocks = tuple(
             Block(width, n_heads, ff_width, key=k, norm=norm, positions=attention_positions,
-                  feed_forward=feed_forward, rotary_base=rotary_base)
+                  feed_forward=feed_forward, rotary_base=rotary_base,
+                  branch_scale=branch_scale)
             for k in jr.split(k_blocks, n_blocks)
         )
         self.norm_f = _make_norm(norm, width)
