@@ -5,6 +5,8 @@ Each raises an error that names the part path, the expected and the actual value
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import equinox as eqx
@@ -37,6 +39,15 @@ def expect_rank(path: str, x: Any, rank: int, layout: str, what: str = "input") 
             f"{display_path(path)}: expected {what} of rank {rank} {layout}, got shape {shape} "
             f"(rank {len(shape)})."
         )
+
+
+def positive_number(value: Any, what: str) -> float:
+    """`value` as a float: a Python or NumPy real number (not a bool), finite and > 0; else a
+    `ValueError` that says `what` it is (e.g. `"Latent: precision"`) and the value given."""
+    number = float(value) if isinstance(value, numbers.Real) else math.nan
+    if isinstance(value, bool | np.bool_) or not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{what} must be a finite number > 0, got {value!r}.")
+    return number
 
 
 def check_part(part: object, path: str) -> AbstractPart:

@@ -35,13 +35,13 @@ rounding: $z_b - \\mu_b$ is then the shift itself, exactly.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from fusedpc.core._checks import positive_number
 from fusedpc.core._context import StepContext
 from fusedpc.core._metrics import AbstractMetrics, FiniteFlag
 from fusedpc.core._part import AbstractPart, Core, ExportRecord, PyTree
@@ -95,13 +95,6 @@ class LatentMetrics(AbstractMetrics):
     energy_trajectory: jax.Array | None = None
 
 
-def _check_precision(value: Any) -> float:
-    precision = float(value) if isinstance(value, numbers.Real) else math.nan
-    if isinstance(value, bool) or not (math.isfinite(precision) and precision > 0):
-        raise ValueError(f"Latent: precision must be a finite number > 0, got {value!r}.")
-    return precision
-
-
 def _row_energy(eps: jax.Array, precision: float) -> jax.Array:
     """$\\tfrac12 \\Pi \\lVert \\varepsilon \\rVert^2$ summed over features, averaged over rows."""
     rows = max(1, math.prod(eps.shape[:-1]))
@@ -125,7 +118,7 @@ class Latent(AbstractPart):
     precision: float = eqx.field(static=True)
 
     def __init__(self, precision: float = 1.0):
-        self.precision = _check_precision(precision)
+        self.precision = positive_number(precision, "Latent: precision")
 
     def init_state(self, key: jax.Array) -> LatentState:
         del key

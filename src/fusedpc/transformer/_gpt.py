@@ -16,7 +16,6 @@ table: `position=None`, $h_0 = T[\\mathrm{ids}]$, and its state's `position` fie
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -24,7 +23,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from fusedpc.core._checks import check_ids, check_part, id_range_check
+from fusedpc.core._checks import check_ids, check_part, id_range_check, positive_number
 from fusedpc.core._context import StepContext
 from fusedpc.core._metrics import Named, named
 from fusedpc.core._part import AbstractPart, Core, PyTree, display_path, join_path, replace_fields
@@ -79,12 +78,7 @@ class TransformerBlock(AbstractPart):
         self.attention = check_part(attention, "TransformerBlock.attention")
         self.n2 = check_part(n2, "TransformerBlock.n2")
         self.feed_forward = check_part(feed_forward, "TransformerBlock.feed_forward")
-        scale = float(branch_scale) if isinstance(branch_scale, int | float) and not isinstance(
-            branch_scale, bool) else float("nan")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"TransformerBlock: branch_scale must be a finite number > 0, got "
-                             f"{branch_scale!r}.")
-        self.branch_scale = scale
+        self.branch_scale = positive_number(branch_scale, "TransformerBlock: branch_scale")
 
     def children(self) -> tuple[tuple[str, AbstractPart], ...]:
         return tuple((name, getattr(self, name)) for name in _BLOCK_SLOTS)

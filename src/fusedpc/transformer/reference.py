@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Float, Int
 
+from fusedpc.core._checks import positive_number
 from fusedpc.transformer._backprop import cross_entropy, make_backprop_step
 from fusedpc.transformer._reference_maths import linear, normalise, rotate
 
@@ -65,14 +66,6 @@ FEED_FORWARDS = ("gelu", "swiglu")
 def _check_option(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"GPT: {name} must be one of {allowed}, got {value!r}.")
-
-
-def _checked_branch_scale(value: object) -> float:
-    scale = float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
-        else math.nan
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"branch_scale must be a finite number > 0, got {value!r}")
-    return scale
 
 
 def _make_norm(norm: str, width: int) -> eqx.nn.LayerNorm | eqx.nn.RMSNorm:
@@ -240,7 +233,7 @@ class Block(eqx.Module):
     ):
         _check_option("norm", norm, NORMS)
         _check_option("feed_forward", feed_forward, FEED_FORWARDS)
-        self.branch_scale = _checked_branch_scale(branch_scale)
+        self.branch_scale = positive_number(branch_scale, "Block: branch_scale")
         ka, kf = jr.split(key)
         self.attn = CausalSelfAttention(
             width, n_heads, key=ka, positions=positions, rotary_base=rotary_base

@@ -49,8 +49,6 @@ not grow with $T$. Under a row mask the relaxation runs on the real rows' own er
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -58,6 +56,7 @@ import jax
 import numpy as np
 import optax
 
+from fusedpc.core._checks import positive_number
 from fusedpc.core._part import AbstractPart, Core, LinearParams, PyTree, replace_fields
 from fusedpc.parts.learning._learning import (
     LearningNetworkState,
@@ -86,16 +85,6 @@ def _check_steps(value: Any) -> int:
             "relaxes nothing: only the last weight matrix learns)."
         )
     return int(value)
-
-
-def _check_rate(value: Any) -> float:
-    """`inference_rate` as a float (a Python or NumPy real number, not a bool), finite, > 0."""
-    rate = float(value) if isinstance(value, numbers.Real) else math.nan
-    if isinstance(value, bool | np.bool_) or not (math.isfinite(rate) and rate > 0):
-        raise ValueError(
-            f"IterativeNetwork: inference_rate must be a finite number > 0, got {value!r}."
-        )
-    return rate
 
 
 class IterativeNetwork(AbstractPart):
@@ -158,7 +147,7 @@ class IterativeNetwork(AbstractPart):
             )
         resolve_learning("IterativeNetwork", optimiser, "precision_weighted", None, 1.0)
         steps = _check_steps(inference_steps)
-        rate = _check_rate(inference_rate)
+        rate = positive_number(inference_rate, "IterativeNetwork: inference_rate")
         if schedule not in SCHEDULES:
             raise ValueError(
                 f"IterativeNetwork: unknown schedule {schedule!r}; choose one of {SCHEDULES}."
