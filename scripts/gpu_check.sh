@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: device facts, the float32 parity tests and the bench at S, M and L, one JSON
-# line per result on stdout, progress on stderr; under 5 minutes on one GPU. What the lines
+# line per result on stdout, progress on stderr; under 8 minutes on one GPU. What the lines
 # mean: docs/gpu.md. The work is done by scripts/gpu_check.py; every flag is passed to it
 # (--help lists them).
 #
