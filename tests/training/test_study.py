@@ -56,6 +56,8 @@ def test_a_tiny_study_writes_its_runs_table_and_curves(tmp_path, capsys):
         (lr, seed, step) for lr in (0.001, 0.01) for seed in (0, 1) for step in (3, 6)}
     rows = json.loads((out / "summary.json").read_text())
     assert [r["setting"] for r in rows] == ["lr=0.001", "lr=0.01"]
+    assert [r["program"] for r in rows] == [0, 0]  # the rates live in the state: one program
+    assert all(r["run_tokens_per_s"] > 0 for r in rows)
     finals = [r["val_loss"] for r in lines if r["lr"] == 0.01 and r["step"] == 6]
     assert rows[1]["val_loss_mean"] == pytest.approx(np.mean(finals), abs=1e-4)
     assert rows[1]["verdict"] in ("lower", "higher", "no difference shown")
@@ -70,7 +72,7 @@ def test_a_study_table_in_the_config_file_gives_seeds_and_values(tmp_path):
     path = tmp_path / "study.toml"
     path.write_text('[optimiser]\nlr = 0.002\n\n[study]\nseeds = 4\n'
                     'vary = {n_blocks = [1, 2], tensorboard = [false]}\n')
-    assert study.study_table(path) == (4, {"n_blocks": [1, 2], "tensorboard": [False]})
+    assert study.study_table(path) == (4, {"n_blocks": [1, 2], "tensorboard": [False]}, [])
     config = _config_file.resolve_config(path, other_sections=("study",))
     assert config.lr == 0.002
     with pytest.raises(ValueError, match=r"unknown section 'study'"):
@@ -84,3 +86,62 @@ def test_a_study_table_in_the_config_file_gives_seeds_and_values(tmp_path):
     path.write_text('[study]\nvary = {width = ["wide"]}\n')
     with pytest.raises(ValueError, match=r"\[study\] vary: width must be int, got 'wide'"):
         study.study_table(path)
+
+
+def test_cases_are_parsed_checked_and_crossed_with_the_varied_values(tmp_path):
+    cases = study.parse_cases(["learning_kind=iterative,inference-steps=4", "lr=0.01"])
+    assert cases == [{"learning_kind": "iterative", "inference_steps": 4}, {"lr": 0.01}]
+    for text, message in [("lr", "expected name=value"), ("lr=0.1,lr=0.2", "'lr' given twice"),
+                          ("width=wide", "width='wide' is not a int"),
+                          ("speed=1", "unknown setting 'speed'")]:
+        with pytest.raises(ValueError, match=message):
+            study.parse_cases([text])
+    assert study.settings_grid({"n_blocks": [1, 2]}, cases) == [
+        {"learning_kind": "iterative", "inference_steps": 4, "n_blocks": 1},
+        {"learning_kind": "iterative", "inference_steps": 4, "n_blocks": 2},
+        {"lr": 0.01, "n_blocks": 1}, {"lr": 0.01, "n_blocks": 2}]
+    with pytest.raises(ValueError, match=r"both set \['lr'\]"):
+        study.settings_grid({"lr": [0.1]}, cases)
+    path = tmp_path / "study.toml"
+    path.write_text('[study]\ncases = [{learning_kind = "standard"}, {inference_steps = 2}]\n')
+    assert study.study_table(path) == (None, {}, [{"learning_kind": "standard"},
+                                                  {"inference_steps": 2}])
+    path.write_text('[study]\ncases = [{inference_steps = "many"}]\n')
+    with pytest.raises(ValueError, match="inference_steps"):
+        study.study_table(path)
+    path.write_text('[study]\ncases = [3]\n')
+    with pytest.raises(ValueError, match="cases must be a list of non-empty tables"):
+        study.study_table(path)
+
+
+def test_settings_share_a_program_when_only_their_rates_differ():
+    import dataclasses
+
+    import fusedpc
+
+    base = fusedpc.TrainConfig()
+    configs = [base, dataclasses.replace(base, lr=0.01),
+               dataclasses.replace(base, model=dataclasses.replace(base.model, n_blocks=3)),
+               dataclasses.replace(base, slot_lr_scales="head=2"),
+               dataclasses.replace(base, optimiser="sgd")]
+    assert study.program_groups(configs) == [[0, 1, 3], [2], [4]]
+
+
+@pytest.mark.slow
+def test_a_study_of_cases_runs_each_case_and_its_rates_in_one_program(tmp_path):
+    from fusedpc.cli import main
+
+    out = tmp_path / "cases"
+    argv = ["study", "--seeds", "1", "--case", "learning_kind=standard",
+            "--case", "learning_kind=precision_weighted", "--vary", "lr=0.001,0.01",
+            "--steps", "3", "--eval-every", "3", "--eval-batches", "1", "--width", "16",
+            "--n-heads", "2", "--n-blocks", "1", "--max-len", "16", "--batch", "4",
+            "--out", str(out)]
+    assert main(argv) == 0
+    rows = json.loads((out / "summary.json").read_text())
+    assert [(r["setting"], r["program"]) for r in rows] == [
+        ("learning_kind=standard, lr=0.001", 0), ("learning_kind=standard, lr=0.01", 0),
+        ("learning_kind=precision_weighted, lr=0.001", 1),
+        ("learning_kind=precision_weighted, lr=0.01", 1)]
+    assert json.loads((out / "config.json").read_text())["cases"] == [
+        {"learning_kind": "standard"}, {"learning_kind": "precision_weighted"}]

@@ -185,16 +185,17 @@ def study_command(args: argparse.Namespace) -> int:
     import datetime
 
     from fusedpc.training import _config_file, _runtime
-    from fusedpc.training.study import parse_vary, run_study, study_table
+    from fusedpc.training.study import parse_cases, parse_vary, run_study, study_table
 
     overrides = _given_settings(args)
-    seeds, vary = study_table(args.config) if args.config else (None, {})
+    seeds, vary, cases = study_table(args.config) if args.config else (None, {}, [])
     vary.update(parse_vary(args.vary or []))  # a flag's setting replaces the file's
+    cases = parse_cases(args.case) if args.case else cases  # the flags replace the file's
     seeds = args.seeds if args.seeds is not None else 3 if seeds is None else seeds
     config = _config_file.resolve_config(args.config, overrides, other_sections=("study",))
     out = args.out or os.path.join(
         "studies", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
     _runtime.select_platform(args.device)
-    run_study(config, seeds, vary, out)
+    run_study(config, seeds, vary, out, cases=cases)
     print(f"written: {out}/runs.jsonl, summary.json, table.md, curves.png")
     return 0

@@ -195,11 +195,12 @@ def _study(commands: _Commands) -> _Parser:
     """`fusedpc study`: its own flags, then one per `TrainConfig` setting (`_config_flags`)."""
     study = commands.add_parser(
         "study",
-        usage="fusedpc study [--config FILE] [--seeds N] [--vary NAME=V1,V2,...] [--out DIR] "
-        "[options]",
+        usage="fusedpc study [--config FILE] [--seeds N] [--vary NAME=V1,V2,...] "
+        "[--case NAME=V,...] [--out DIR] [options]",
         help="train N seeds per setting (the seeds in one vmapped program) and compare",
-        description="Train every combination of the --vary values, N seeds each (one vmapped "
-        "compiled step per setting), and write runs.jsonl, summary.json, table.md (mean ± std, "
+        description="Train every case with every combination of the --vary values, N seeds "
+        "each (one vmapped compiled step per setting; settings that differ only in their rates "
+        "share one), and write runs.jsonl, summary.json, table.md (mean ± std, "
         "a bootstrap interval against the first setting) and curves.png into --out.",
     )
     study.add_argument("--config", metavar="FILE", help="TOML config file (see docs/cli.md)")
@@ -209,6 +210,10 @@ def _study(commands: _Commands) -> _Parser:
     study.add_argument("--vary", action="append", metavar="NAME=V1,V2,...",
                        help="a setting and its values (repeat for a grid; adds to, or replaces "
                        "a setting of, [study] vary in --config)")
+    study.add_argument("--case", action="append", metavar="NAME=V,NAME=V,...",
+                       help="one setting of several values, tried as one case (repeat for "
+                       "more; each case runs with every --vary combination; replaces [study] "
+                       "cases in --config)")
     study.add_argument("--out", metavar="DIR",
                        help="a new output folder (default studies/<timestamp>)")
     _config_flags(study)

@@ -34,14 +34,15 @@ def config_schedule(config: TrainConfig, scale: float = 1.0):
     )
 
 
-def config_optimiser(config: TrainConfig, scale: float = 1.0):
+def config_optimiser(config: TrainConfig, scale: float = 1.0, *, multiplier: bool = False):
     """The optax optimiser named by `config.optimiser` at rate `scale * config.lr`, on the
-    config's schedule (warm-up, then constant or cosine); with a calibration, its rate
-    multiplier in the state (`with_rate_multiplier`)."""
+    config's schedule (warm-up, then constant or cosine); with a calibration, or when
+    `multiplier` asks for it, its rate multiplier in the state (`with_rate_multiplier`)."""
     optimiser = make_optimiser(
         config.optimiser, config_schedule(config, scale), config.weight_decay
     )
-    return optimiser if config.calibrate == "none" else with_rate_multiplier(optimiser)
+    wrap = multiplier or config.calibrate != "none"
+    return with_rate_multiplier(optimiser) if wrap else optimiser
 
 
 def resolve_tokenizer(
@@ -171,19 +172,23 @@ def parameter_count(config: TrainConfig, vocab_size: int) -> int:
     )
 
 
-def build_part(config: TrainConfig, gpt: GPTConfig, key: jax.Array):
+def build_part(config: TrainConfig, gpt: GPTConfig, key: jax.Array, *,
+               multipliers: bool = False):
     """The run's GPT part (`build_gpt` of `gpt`, the model of `config`) at `key`: every slot
     with the optimiser the config gives it (its rate scale; under a calibration of the synaptic
-    rule, a rate multiplier over the rule's own steps)."""
+    rule, a rate multiplier over the rule's own steps); `multipliers` puts a rate multiplier
+    in every optimiser's state (a study's runs that differ in their rates only)."""
     slot_optimisers: dict[str, Any] = {
-        slot: config_optimiser(config, scale) for slot, scale in config.lr_scales().items()
+        slot: config_optimiser(config, scale, multiplier=multipliers)
+        for slot, scale in config.lr_scales().items()
     }
     if config.calibrate != "none" and gpt.learning_kind == "synaptic_uncertainty":
         # the synaptic rule's own steps, scaled by a multiplier (the LayerNorms: optax)
         for slot in config.calibrated_slots():
             if slot != "norm":
                 slot_optimisers[slot] = scale_by_rate_multiplier()
-    return build_gpt(gpt, config_optimiser(config), key, slot_optimisers=slot_optimisers)[0]
+    return build_gpt(gpt, config_optimiser(config, multiplier=multipliers), key,
+                     slot_optimisers=slot_optimisers)[0]
 
 
 def model_relaxation(gpt: GPTConfig) -> Relaxation | None:

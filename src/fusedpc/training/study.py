@@ -1,9 +1,12 @@
-"""Studies as a command: `fusedpc study --seeds N --vary name=v1,v2,...` (`run_study`).
+"""Studies as a command: `fusedpc study --seeds N --vary name=v1,v2,... --case name=v,...`
+(`run_study`).
 
-A study trains one run per seed and setting. The seeds of one setting are one vmapped compiled
-program (`fusedpc.training.seeds.train_seeds`); every setting is its own compiled group (a
-setting may change shapes, the learning kind, the depth, or static configuration such as the
-optimiser's rate). It writes, into a new folder:
+A study trains one run per seed and setting (every case, default one, with every combination
+of the varied values). The runs of settings that differ only in values that live in the state
+(the rates: `lr`, `slot_lr_scales`) are one vmapped compiled program together with their
+seeds (`fusedpc.training.seeds.train_runs`); every other setting is its own compiled group (it
+may change shapes, the learning kind, the depth, or other static configuration). It writes,
+into a new folder:
 
 * `runs.jsonl`: one line per run and evaluation point (setting, seed, step, validation loss,
   the mean training loss since the previous point);
@@ -18,10 +21,10 @@ optimiser's rate). It writes, into a new folder:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
-import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +39,7 @@ from fusedpc.training._settings import (
     config_from_settings,
     config_settings,
 )
-from fusedpc.training.seeds import SeedRuns, train_seeds
+from fusedpc.training.seeds import SeedRuns, shared_program, train_runs
 
 RESAMPLES = 10_000
 
@@ -58,16 +61,41 @@ def parse_vary(texts: list[str]) -> dict[str, list[Any]]:
     return out
 
 
-def study_table(path: str | os.PathLike[str]) -> tuple[int | None, dict[str, list[Any]]]:
-    """The `[study]` table of a TOML config file: `seeds = N` and `vary = {name = [v1, v2]}`
-    (both optional; `(None, {})` without the table), checked as the flags are."""
+def parse_cases(texts: list[str]) -> list[dict[str, Any]]:
+    """`["learning_kind=iterative,inference_steps=4", ...]` as one setting per text
+    (`{"learning_kind": "iterative", "inference_steps": 4}`), each value read and checked as
+    `parse_vary` reads one."""
+    cases = []
+    for text in texts:
+        case: dict[str, Any] = {}
+        for item in filter(None, (t.strip() for t in text.split(","))):
+            name, sep, value = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if not sep or not value.strip():
+                raise ValueError(f"--case: expected name=value,name=value,..., got {text!r}.")
+            if name in case:
+                raise ValueError(f"--case: {name!r} given twice in {text!r}.")
+            _known(name, "--case")
+            case[name] = _checked(name, [_typed(name, value.strip())], "--case")[0]
+        if not case:
+            raise ValueError(f"--case: expected name=value,name=value,..., got {text!r}.")
+        cases.append(case)
+    return cases
+
+
+def study_table(
+    path: str | os.PathLike[str],
+) -> tuple[int | None, dict[str, list[Any]], list[dict[str, Any]]]:
+    """The `[study]` table of a TOML config file: `seeds = N`, `vary = {name = [v1, v2]}` and
+    `cases = [{name = v, ...}, ...]` (each optional; `(None, {}, [])` without the table),
+    checked as the flags are."""
     with open(path, "rb") as handle:
         table = tomllib.load(handle).get("study", {})
     where = f"config file {str(path)!r}"
-    unknown = sorted(set(table) - {"seeds", "vary"})
+    unknown = sorted(set(table) - {"seeds", "vary", "cases"})
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown} in [study]; known keys there: "
-                         "seeds, vary.")
+                         "seeds, vary, cases.")
     seeds = table.get("seeds")
     if seeds is not None and (isinstance(seeds, bool) or not isinstance(seeds, int)):
         raise ValueError(f"{where}: [study] seeds must be an integer, got {seeds!r}.")
@@ -75,8 +103,14 @@ def study_table(path: str | os.PathLike[str]) -> tuple[int | None, dict[str, lis
     if not isinstance(vary, dict) or not all(isinstance(v, list) and v for v in vary.values()):
         raise ValueError(f"{where}: [study] vary must be a table of non-empty lists, e.g. "
                          "vary = {lr = [0.001, 0.003]}.")
+    cases = table.get("cases", [])
+    if not isinstance(cases, list) or not all(isinstance(c, dict) and c for c in cases):
+        raise ValueError(f"{where}: [study] cases must be a list of non-empty tables, e.g. "
+                         'cases = [{learning_kind = "standard"}, {lr = 0.01}].')
     return seeds, {name: _checked(name, values, f"{where}: [study] vary")
-                   for name, values in vary.items()}
+                   for name, values in vary.items()}, [
+        {name: _checked(name, [value], f"{where}: [study] cases")[0]
+         for name, value in case.items()} for case in cases]
 
 
 def _known(name: str, where: str) -> None:
@@ -108,11 +142,19 @@ def _typed(name: str, text: str) -> Any:
         raise ValueError(f"--vary: {name}={text!r} is not a {kind.__name__}.") from None
 
 
-def settings_grid(vary: dict[str, list[Any]]) -> list[dict[str, Any]]:
-    """Every combination of the varied values, in the order given (one empty setting when
-    nothing varies)."""
+def settings_grid(vary: dict[str, list[Any]],
+                  cases: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Every case (default: one empty case) with every combination of the varied values, in
+    the order given (one empty setting when nothing varies)."""
     names = list(vary)
-    return [dict(zip(names, values)) for values in itertools.product(*vary.values())]
+    combinations = [dict(zip(names, values)) for values in itertools.product(*vary.values())]
+    cases = cases or [{}]
+    for case in cases:
+        both = sorted(set(case) & set(vary))
+        if both:
+            raise ValueError(f"--case and --vary both set {both}: a setting is either varied "
+                             "or set per case.")
+    return [{**case, **combination} for case in cases for combination in combinations]
 
 
 def label(setting: dict[str, Any]) -> str:
@@ -130,19 +172,26 @@ def bootstrap_difference(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[f
     return float(b.mean() - a.mean()), float(low), float(high)
 
 
-def summarise(results: list[tuple[dict[str, Any], SeedRuns]]) -> list[dict[str, Any]]:
-    """One row per setting: the final validation loss's mean, std, the seeds; the difference
-    to the first setting with its interval and verdict."""
+def summarise(results: list[tuple[dict[str, Any], SeedRuns]],
+              programs: list[int] | None = None) -> list[dict[str, Any]]:
+    """One row per setting: the final validation loss's mean, std, the seeds, the compiled
+    program it ran in (`programs`; its compile and wall seconds, and the training tokens per
+    second of each of its runs, are the program's); the difference to the first setting with
+    its interval and verdict."""
     rows = []
     base = results[0][1].val_loss[:, -1]
+    programs = programs or list(range(len(results)))
     for i, (setting, runs) in enumerate(results):
         final = runs.val_loss[:, -1]
+        shared = programs.count(programs[i]) * len(final)
         row: dict[str, Any] = {
             "setting": label(setting), **setting, "seeds": len(final),
             "val_loss_mean": round(float(final.mean()), 4),
             "val_loss_std": round(float(final.std(ddof=1)), 4) if len(final) > 1 else 0.0,
-            "skipped_steps": int(runs.skipped.sum()), "compile_s": round(runs.compile_s, 2),
-            "wall_s": round(runs.wall_s, 2)}
+            "skipped_steps": int(runs.skipped.sum()), "program": programs[i],
+            "compile_s": round(runs.compile_s, 2), "wall_s": round(runs.wall_s, 2),
+            "run_tokens_per_s": None if runs.tokens_per_s is None else
+            round(runs.tokens_per_s / shared, 1)}
         if i:
             difference, low, high = bootstrap_difference(base, final)
             verdict = ("lower" if high < 0 else "higher" if low > 0 else
@@ -155,15 +204,21 @@ def summarise(results: list[tuple[dict[str, Any], SeedRuns]]) -> list[dict[str, 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = ["| setting | validation loss (mean ± std) | seeds | against the first (95 % "
-             "bootstrap interval) | verdict |", "| --- | ---: | ---: | --- | --- |"]
+             "bootstrap interval) | verdict | program | tokens/s per run |",
+             "| --- | ---: | ---: | --- | --- | ---: | ---: |"]
     for row in rows:
         against = ("" if "difference" not in row else
                    f"{row['difference']:+.4f} [{row['interval'][0]:+.4f}, "
                    f"{row['interval'][1]:+.4f}]")
         lines.append(f"| {row['setting']} | {row['val_loss_mean']:.4f} ± "
                      f"{row['val_loss_std']:.4f} | {row['seeds']} | {against} | "
-                     f"{row.get('verdict', '(baseline)')} |")
+                     f"{row.get('verdict', '(baseline)')} | {row['program']} | "
+                     f"{_count(row['run_tokens_per_s'])} |")
     return "\n".join(lines)
+
+
+def _count(value: float | None) -> str:
+    return "" if value is None else f"{value:,.0f}"
 
 
 def _plot(results: list[tuple[dict[str, Any], SeedRuns]], path: Path) -> None:
@@ -199,44 +254,65 @@ def _run_lines(setting: dict[str, Any], runs: SeedRuns) -> list[dict[str, Any]]:
 
 
 def run_study(config: TrainConfig, seeds: int, vary: dict[str, list[Any]],
-              out: str | os.PathLike[str], *,
+              out: str | os.PathLike[str], *, cases: list[dict[str, Any]] | None = None,
               say: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run the study (module docstring) into the new folder `out`; returns the summary
-    rows. `config.seed` is the first seed, the others follow it."""
+    rows. `config.seed` is the first seed, the others follow it; `cases` are settings tried
+    one by one, each with every combination of `vary`."""
     if seeds < 1:
         raise ValueError(f"--seeds: expected an integer >= 1, got {seeds}.")
     folder = Path(out)
     if folder.exists() and any(folder.iterdir()):
         raise FileExistsError(f"--out: {str(folder)!r} is not empty; a study writes into a new "
                               "folder (nothing saved is overwritten).")
-    grid = settings_grid(vary)
+    grid = settings_grid(vary, cases)
+    labels = [label(s) for s in grid]
+    repeated = sorted({x for x in labels if labels.count(x) > 1})
+    if repeated:
+        raise ValueError(f"--case/--vary: the setting(s) {repeated} come more than once.")
     configs = [config_from_settings(s, config) for s in grid]  # all checked before training
     for c in configs:
         c.validate()
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(
-        {"settings": config_settings(config), "seeds": seeds, "vary": vary}, indent=1,
-        default=str))
-    results = []
+        {"settings": config_settings(config), "seeds": seeds, "vary": vary,
+         "cases": cases or []}, indent=1, default=str))
+    results: list[tuple[dict[str, Any], SeedRuns, int] | None] = [None] * len(grid)
+    seed_list = range(config.seed, config.seed + seeds)
     with open(folder / "runs.jsonl", "w") as log:
-        for setting, setting_config in zip(grid, configs):
-            start = time.perf_counter()
-            runs = train_seeds(setting_config, range(config.seed, config.seed + seeds))
-            for line in _run_lines(setting, runs):
-                log.write(json.dumps(line) + "\n")
+        for program, members in enumerate(program_groups(configs)):
+            runs = train_runs([dataclasses.replace(configs[i], seed=s)
+                               for i in members for s in seed_list])
+            for k, i in enumerate(members):
+                mine = runs.select(range(k * seeds, (k + 1) * seeds))
+                results[i] = (grid[i], mine, program)
+                for line in _run_lines(grid[i], mine):
+                    log.write(json.dumps(line) + "\n")
+                say(f"{labels[i]}: validation loss "
+                    + ", ".join(f"{v:.4f}" for v in mine.val_loss[:, -1])
+                    + f" (program {program}: {len(members)} setting(s) x {seeds} seed(s), "
+                    f"{runs.wall_s:.1f} s, compile {runs.compile_s:.1f} s)")
             log.flush()
-            results.append((setting, runs))
-            say(f"{label(setting)}: validation loss "
-                + ", ".join(f"{v:.4f}" for v in runs.val_loss[:, -1])
-                + f" ({time.perf_counter() - start:.1f} s, compile {runs.compile_s:.1f} s)")
-    rows = summarise(results)
+    done = [r for r in results if r is not None]
+    rows = summarise([(setting, runs) for setting, runs, _ in done],
+                     [program for _, _, program in done])
     (folder / "summary.json").write_text(json.dumps(rows, indent=1))
     table = _table(rows)
     (folder / "table.md").write_text(table + "\n")
-    _plot(results, folder / "curves.png")
+    _plot([(setting, runs) for setting, runs, _ in done], folder / "curves.png")
     say(table)
     return rows
 
 
-__all__ = ["bootstrap_difference", "parse_vary", "run_study", "settings_grid", "study_table",
-           "summarise"]
+def program_groups(configs: list[TrainConfig]) -> list[list[int]]:
+    """The indices of `configs` by compiled program: settings that differ only in what lives
+    in the state (the rates, `RATE_SETTINGS`) share one; in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(configs):
+        key = json.dumps(config_settings(shared_program(c)), sort_keys=True, default=str)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+__all__ = ["bootstrap_difference", "parse_cases", "parse_vary", "program_groups", "run_study",
+           "settings_grid", "study_table", "summarise"]
