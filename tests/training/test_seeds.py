@@ -4,6 +4,7 @@ is the run `fusedpc train` makes with that seed, to the float32 floor."""
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import jax
 import numpy as np
@@ -110,3 +111,24 @@ def test_runs_of_one_program_may_differ_only_in_seed_and_rates():
                                                                         seed=4))
     with pytest.raises(ValueError, match=r"differ only in the seed; 'lr'"):
         train_runs([synaptic, dataclasses.replace(synaptic, lr=0.5)])
+
+
+@pytest.mark.slow
+def test_a_calibrated_run_of_a_study_is_the_calibrated_run_trained_alone(tmp_path):
+    from fusedpc.training import rate_multipliers
+
+    config = fusedpc.TrainConfig(steps=8, batch=4, eval_every=4, eval_batches=1, model=TINY,
+                                 optimiser="sgd", lr=0.05, steps_per_call=2,
+                                 calibrate="auto", calibrate_at=4, probe_steps=2,
+                                 sample_tokens=0)
+    runs = train_seeds(config, [0, 1])
+    assert [c["step"] for c in runs.calibrations] == [4, 4]
+    for i, seed in enumerate(runs.seeds):
+        alone = fusedpc.train(dataclasses.replace(config, seed=seed), tmp_path / str(seed),
+                              stream=io.StringIO())
+        assert runs.val_loss[i, -1] == pytest.approx(alone.val_loss, rel=1e-5)
+        chosen = rate_multipliers(alone.pipeline.state)
+        assert any(m != 1 for m in chosen.values())  # the trials changed the rates
+        assert runs.calibrations[i]["multipliers"] == pytest.approx(chosen)
+        mine = jax.tree_util.tree_map(lambda a, i=i: a[i], runs.carry.state)
+        assert rate_multipliers(mine) == pytest.approx(chosen)

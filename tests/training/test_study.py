@@ -145,3 +145,19 @@ def test_a_study_of_cases_runs_each_case_and_its_rates_in_one_program(tmp_path):
         ("learning_kind=precision_weighted, lr=0.01", 1)]
     assert json.loads((out / "config.json").read_text())["cases"] == [
         {"learning_kind": "standard"}, {"learning_kind": "precision_weighted"}]
+
+
+def test_the_bundled_iterative_study_config_is_valid():
+    # docs/iterative.md's table is made with it: every case must build a valid run
+    from pathlib import Path
+
+    from fusedpc.training import _config_file
+    from fusedpc.training._settings import config_from_settings
+
+    path = Path(__file__).parents[2] / "configs" / "iterative_study.toml"
+    seeds, vary, cases = study.study_table(path)
+    assert seeds == 3 and vary == {} and len(cases) == 8
+    config = _config_file.resolve_config(path, other_sections=("study",))
+    assert config.steps == 1000
+    for setting in study.settings_grid(vary, cases):
+        config_from_settings(setting, config).validate()

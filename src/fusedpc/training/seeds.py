@@ -27,12 +27,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fusedpc.execution._pipeline import FusedPipeline
 from fusedpc.execution._program import make_step
 from fusedpc.execution._step_types import StepCarry, fresh_counters
 from fusedpc.training import data
 from fusedpc.training._config import TrainConfig
-from fusedpc.training._evaluate import cross_entropy
-from fusedpc.training._rates import RateMultiplierState, gpt_slot
+from fusedpc.training._evaluate import batch_losses, cross_entropy
+from fusedpc.training._probe import probe_rates
+from fusedpc.training._rates import (
+    RateMultiplierState,
+    gpt_slot,
+    rate_multipliers,
+    set_rate_multipliers,
+)
 from fusedpc.training._settings import config_settings
 from fusedpc.training._setup import build_part, load_tokens, model_relaxation
 from fusedpc.transformer._slots import SLOTS
@@ -52,7 +59,10 @@ class SeedRuns:
         compile_s: seconds of the first call (tracing, compiling, one step).
         wall_s: seconds of the whole training, compile and evaluations included.
         tokens_per_s: training tokens per second of every run together, over the steps
-            after the first (evaluations left out); None for a one-step run.
+            after the first (evaluations and calibration trials left out); None for a
+            one-step run.
+        calibrations: with `calibrate`, each run's calibration (`probe_rates`'s record, its
+            step and the multipliers chosen), in run order; else empty.
     """
 
     seeds: tuple[int, ...]
@@ -64,6 +74,7 @@ class SeedRuns:
     compile_s: float
     wall_s: float
     tokens_per_s: float | None = None
+    calibrations: tuple[dict[str, Any], ...] = ()
 
     def select(self, runs: Sequence[int]) -> SeedRuns:
         """The runs at the indices `runs` (their curves, losses and carries); the times are
@@ -72,6 +83,8 @@ class SeedRuns:
         return dataclasses.replace(
             self, seeds=tuple(self.seeds[i] for i in runs), val_loss=self.val_loss[index],
             train_loss=self.train_loss[index], skipped=self.skipped[index],
+            calibrations=tuple(self.calibrations[i] for i in runs) if self.calibrations
+            else (),
             carry=jax.tree_util.tree_map(lambda a: a[index], self.carry))
 
 
@@ -85,10 +98,11 @@ product in float32 for a constant rate (a schedule's $\\eta f(t)$ is rounded onc
 
 def shared_program(config: TrainConfig) -> TrainConfig:
     """`config` with what `train_runs` may vary within one program set aside (the seed, and
-    the rates but under the synaptic rule, whose own steps do not take the optimiser's rate):
-    runs whose `shared_program` is equal share a compiled step."""
+    the rates but under the synaptic rule, whose own steps do not take the optimiser's rate,
+    and in a calibrated run, whose multipliers are the calibration's): runs whose
+    `shared_program` is equal share a compiled step."""
     config = dataclasses.replace(config, seed=0)
-    if config.model.learning_kind == "synaptic_uncertainty":
+    if config.model.learning_kind == "synaptic_uncertainty" or config.calibrate != "none":
         return config
     return dataclasses.replace(config, lr=1.0, slot_lr_scales="")
 
@@ -120,9 +134,6 @@ def _with_multipliers(state: Any, runs: Sequence[dict[str | None, float]]) -> An
 def _builder(config: TrainConfig, vocab_size: int, multipliers: bool):
     """`(build, gpt, relaxation)`: `build(key) -> part` as `fusedpc train` builds the run's
     model (`build_part`), its `GPTConfig`, its relaxation."""
-    if config.calibrate != "none":
-        raise ValueError("calibrate: a study of seeds runs without the calibration (its trials "
-                         "are host-side decisions per run); set calibrate = 'none'.")
     gpt = config.gpt_config(vocab_size)
     build = functools.partial(build_part, config, gpt, multipliers=multipliers)
     return build, gpt, model_relaxation(gpt)
@@ -181,8 +192,11 @@ def train_runs(configs: Sequence[TrainConfig], *, tokenizer: Any = None,
     if multipliers:
         carry = StepCarry(_with_multipliers(carry.state, [_run_multipliers(c) for c in configs]),
                           carry.counters)
-    return _train(program, carry, base, [c.seed for c in configs], train_ids, val_ids, every,
-                  gpt.head_kind == "categorical")
+    seeds = [c.seed for c in configs]
+    calibration = None if base.calibrate == "none" else _Calibration(
+        base, build(keys[0]), gpt, relaxation, val_ids, seeds)
+    return _train(program, carry, base, seeds, train_ids, val_ids, every,
+                  gpt.head_kind == "categorical", calibration)
 
 
 def _check_shared(configs: list[TrainConfig]) -> None:
@@ -199,9 +213,51 @@ def _check_shared(configs: list[TrainConfig]) -> None:
                              f"{name!r} is {value!r} in the first and {other!r} in another.")
 
 
+class _Calibration:
+    """`fusedpc train --calibrate`'s trials, run by run: at the calibration step each run's
+    state goes into one pipeline (compiled once for all), `probe_rates` tries its rates on
+    the run's next `probe_steps` batches (its data position restored) scored on its own probe
+    windows (the validation split at seed + 1), and the chosen multipliers go back into the
+    run's state, as `fusedpc train` does it."""
+
+    def __init__(self, config: TrainConfig, part, gpt, relaxation, val_ids, seeds: list[int]):
+        self.config, self.step = config, config.calibration_step()
+        self.pipeline = FusedPipeline(part, gpt.error_fn, settings=config.step_settings,
+                                      relaxation=relaxation)
+        self.probabilities = gpt.head_kind == "categorical"
+        self.probes = [data.BatchIterator(val_ids, config.batch, config.model.max_len,
+                                          seed=s + 1).next_batches(config.eval_batches)
+                       for s in seeds]
+        self.records: list[dict[str, Any]] = []
+
+    def __call__(self, carry: StepCarry, batches: list[data.BatchIterator]) -> StepCarry:
+        config, pipeline = self.config, self.pipeline
+        states = []
+        for i, iterator in enumerate(batches):
+            position = iterator.step
+            xs, ys = iterator.next_batches(config.probe_steps)
+            iterator.step = position
+            one = jax.tree_util.tree_map(lambda a, i=i: a[i], carry)
+            pipeline.set_state(one.state, counters=one.counters)
+            held_x, held_y = self.probes[i]
+
+            def score(p: FusedPipeline, held_x=held_x, held_y=held_y) -> np.ndarray:
+                return batch_losses(p, held_x, held_y, self.probabilities)
+
+            result = probe_rates(pipeline, xs, ys, groups=config.calibrated_slots(),
+                                 per_call=config.steps_per_call, score=score)
+            chosen = set_rate_multipliers(pipeline.state, result.multipliers)
+            states.append(jax.tree_util.tree_map(jnp.copy, chosen))
+            self.records.append({"step": self.step, **result.record(),
+                                 "multipliers": rate_multipliers(chosen)})
+        stacked = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *states)
+        return StepCarry(stacked, carry.counters)
+
+
 def _train(program, carry, config: TrainConfig, seeds: list[int], train_ids, val_ids,
-           every: int, probabilities: bool) -> SeedRuns:
-    """Step the stacked `carry` `config.steps` times, evaluating every `every` steps."""
+           every: int, probabilities: bool, calibration: _Calibration | None) -> SeedRuns:
+    """Step the stacked `carry` `config.steps` times, evaluating every `every` steps (and
+    calibrating each run at its step, with `calibration`)."""
     step = jax.jit(jax.vmap(program.step), donate_argnums=0)
     predict = jax.jit(jax.vmap(program.predict))
     rows, length = config.batch, config.model.max_len
@@ -212,6 +268,8 @@ def _train(program, carry, config: TrainConfig, seeds: list[int], train_ids, val
     start = time.perf_counter()
     compile_s = stepping = 0.0
     for done in range(1, config.steps + 1):
+        if calibration is not None and done - 1 == calibration.step:
+            carry = calibration(carry, batches)
         began = time.perf_counter()
         pairs = [b.next_batch() for b in batches]
         x = jnp.asarray(np.stack([p[0] for p in pairs]))
@@ -232,7 +290,8 @@ def _train(program, carry, config: TrainConfig, seeds: list[int], train_ids, val
     tokens = (config.steps - 1) * rows * length * len(seeds)
     return SeedRuns(tuple(seeds), np.asarray(points), np.stack(val, axis=1), train_loss,
                     np.asarray(jax.device_get(carry.counters.skipped)), carry, compile_s,
-                    time.perf_counter() - start, tokens / stepping if stepping else None)
+                    time.perf_counter() - start, tokens / stepping if stepping else None,
+                    tuple(calibration.records) if calibration is not None else ())
 
 
 def _validation(predict, states, held: list[tuple[np.ndarray, np.ndarray]],

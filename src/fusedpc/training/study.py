@@ -241,6 +241,8 @@ def _plot(results: list[tuple[dict[str, Any], SeedRuns]], path: Path) -> None:
 
 
 def _run_lines(setting: dict[str, Any], runs: SeedRuns) -> list[dict[str, Any]]:
+    """Every run's evaluation points; a calibrated run's last line also holds the rate
+    multipliers its calibration chose."""
     lines = []
     for i, seed in enumerate(runs.seeds):
         previous = 0
@@ -250,6 +252,8 @@ def _run_lines(setting: dict[str, Any], runs: SeedRuns) -> list[dict[str, Any]]:
                           "val_loss": round(float(runs.val_loss[i, k]), 5),
                           "train_loss": round(float(np.mean(window)), 5)})
             previous = int(step)
+        if runs.calibrations:
+            lines[-1]["multipliers"] = runs.calibrations[i]["multipliers"]
     return lines
 
 
