@@ -1,24 +1,25 @@
-"""The calibration study's own rules (scripts/calibration_study.py), on synthetic report rows.
-The study itself is a script, not a test; its methods that do not run probes are rules over
-the warm-up's report rows, and those are checked here."""
+"""The calibration study's conversion (scripts/calibration_study.py): a `fusedpc study`
+folder's runs into the evidence `fusedpc report` reads, on a synthetic study folder. The
+study itself is `fusedpc study` (tested in test_study.py and test_seeds.py)."""
 
 from __future__ import annotations
 
 import importlib.util
-import math
+import json
 import pathlib
 import sys
 
 import pytest
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "calibration_study.py"
+GPL = "/usr/share/common-licenses/GPL-3"
 
 
 @pytest.fixture(scope="module")
 def study():
     spec = importlib.util.spec_from_file_location("calibration_study", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    sys.modules[spec.name] = module
     try:
         spec.loader.exec_module(module)
         yield module
@@ -26,43 +27,82 @@ def study():
         sys.modules.pop(spec.name, None)
 
 
-def _warm_up(study, ratios: dict[str, float]):
-    """Report rows of a warm-up whose parts moved at `ratios` (update / weight) throughout."""
-    rows = [{"kind": "report", "step": step, "part": part, "update_ratio": ratio,
-             "layer_sizes": [4, 4]}
-            for step in (5, 10, 15) for part, ratio in ratios.items()]
-
-    def probe(*args, **kwargs):
-        raise AssertionError("a rule over report rows runs no probes")
-
-    return study.WarmUp(rows, probe)
-
-
-SLOTS = ("token", "attention", "head")
-RATIOS = {"token": 1e-4, "blocks[0].attention.wq": 4e-3, "blocks[0].attention.wo": 4e-3,
-          "head": 1e-3}
-
-
-def test_the_report_rule_brings_every_slot_to_the_target_ratio(study):
-    chosen = study.METHODS["report_rule"](_warm_up(study, RATIOS), 3e-3, SLOTS)
-    assert chosen == pytest.approx({"token": 10.0, "attention": 0.25, "head": 1.0})
-
-
-def test_rebalance_keeps_the_global_rate_and_only_moves_the_balance(study):
-    chosen = study.METHODS["rebalance"](_warm_up(study, RATIOS), 3e-3, SLOTS)
-    rule = study.METHODS["report_rule"](_warm_up(study, RATIOS), 3e-3, SLOTS)
-    # the geometric mean of the multipliers is 1: the user's rate is not lowered or raised
-    assert math.prod(chosen.values()) == pytest.approx(1.0)
-    # and the ratios between slots are the rule's
-    assert chosen["token"] / chosen["head"] == pytest.approx(rule["token"] / rule["head"])
-    assert chosen["attention"] / chosen["head"] == pytest.approx(
-        rule["attention"] / rule["head"])
-    assert study.METHODS["rebalance"](_warm_up(study, {}), 3e-3, SLOTS) == {}
+def _folder(tmp_path, finals: dict[tuple, list[float]]) -> pathlib.Path:
+    """A study folder whose runs end at `finals[(text, kind, learn, optimiser, calibrate)]`
+    (one value per seed), with an earlier evaluation point that must be ignored."""
+    folder = tmp_path / "study"
+    folder.mkdir()
+    cases = []
+    lines = []
+    for (text, kind, learn, optimiser, calibrate), values in finals.items():
+        case = {"text": text, "learning_kind": kind, "learn": learn, "optimiser": optimiser,
+                "lr": 0.003 if optimiser == "adam" else 0.1}
+        if case not in cases:
+            cases.append(case)
+        setting = {**case, "calibrate": calibrate}
+        name = ", ".join(f"{k}={v}" for k, v in setting.items())
+        for seed, value in enumerate(values):
+            for step, loss in ((600, 9.0), (1200, value)):
+                lines.append({"setting": name, **setting, "seed": seed, "step": step,
+                              "val_loss": loss, "train_loss": loss})
+    settings = {"steps": 1200, "calibrate_at": 180, "probe_steps": 100, "seed": 0,
+                "text": "hamlet", "optimiser": "adam", "lr": 0.003, "width": 32,
+                "n_heads": 4, "n_blocks": 1, "max_len": 32, "batch": 16}
+    (folder / "config.json").write_text(json.dumps(
+        {"settings": settings, "seeds": 2, "vary": {"calibrate": ["none", "auto"]},
+         "cases": cases, "jax": "0.10.2"}))
+    (folder / "runs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return folder
 
 
-def test_none_and_the_fixed_controls(study):
-    warm_up = _warm_up(study, RATIOS)
-    assert study.METHODS["none"](warm_up, 3e-3, SLOTS) == {}
-    for name, factor in (("x0.5", 0.5), ("x8", 8.0), ("x32", 32.0)):
-        assert study.METHODS[name](warm_up, 3e-3, SLOTS) == dict.fromkeys(SLOTS, factor)
-    assert set(study.DEFAULT_METHODS) <= set(study.METHODS)
+def test_a_study_folder_becomes_the_evidence(study, tmp_path):
+    folder = _folder(tmp_path, {
+        ("hamlet", "precision_weighted", "all", "adam", "none"): [2.0, 2.2],
+        ("hamlet", "precision_weighted", "all", "adam", "auto"): [1.8, 1.8],
+        ("hamlet", "standard", "all", "adam", "none"): [2.5, 2.5],
+        ("hamlet", "standard", "all", "adam", "auto"): [2.2, 2.2],
+        (GPL, "synaptic_uncertainty", "ff_head", "adam", "none"): [3.0, 3.0],
+        (GPL, "synaptic_uncertainty", "ff_head", "adam", "auto"): [3.2, 3.2],
+    })
+    evidence = study.evidence_from(folder)
+    assert evidence["study"] == {
+        "steps": 1200, "warmup": 180, "probe_steps": 100, "seeds": [0, 1],
+        "texts": ["hamlet", "GPL-3"], "lr": {"adam": 0.003}, "width": 32, "n_heads": 4,
+        "n_blocks": 1, "seq_len": 32, "batch": 16, "jax": "0.10.2"}
+    cells = {(c["text"], c["learning_kind"], c["learn"], c["optimiser"], c["method"]): c
+             for c in evidence["cells"]}
+    # the twin is the exact step's uncalibrated run; the synaptic ff_head cell has no optax
+    assert set(cells) == {
+        ("hamlet", "precision_weighted", "all", "adam", "none"),
+        ("hamlet", "precision_weighted", "all", "adam", "probe"),
+        ("hamlet", "backprop", "all", "adam", "backprop_twin"),
+        ("hamlet", "standard", "all", "adam", "none"),
+        ("hamlet", "standard", "all", "adam", "probe"),
+        ("GPL-3", "synaptic_uncertainty", "ff_head", "own_rule", "none"),
+        ("GPL-3", "synaptic_uncertainty", "ff_head", "own_rule", "probe")}
+    exact = cells[("hamlet", "precision_weighted", "all", "adam", "none")]
+    assert exact["val_loss_mean"] == pytest.approx(2.1)  # the last point, not step 600's
+    assert exact["val_loss_std"] == pytest.approx(0.1414213, rel=1e-5)
+    assert (exact["val_loss_min"], exact["val_loss_max"]) == (2.0, 2.2)
+    standard = cells[("hamlet", "standard", "all", "adam", "probe")]
+    assert standard["gap_to_none"] == pytest.approx(-0.3)
+    assert standard["gap_to_twin"] == pytest.approx(0.1)
+    twin = cells[("hamlet", "backprop", "all", "adam", "backprop_twin")]
+    assert twin["gap_to_none"] is None and twin["gap_to_twin"] is None
+    (line,) = evidence["targets"]
+    assert line["method"] == "probe"
+    assert line["worse_cells"] == ["GPL-3/synaptic_uncertainty/ff_head/own_rule"]
+    # standard's none is 0.4 above the twin (spread 0.14): behind, and helped by 0.3
+    assert line["behind_twin"] == ["hamlet/standard/all/adam"] == line["helped"]
+    assert line["gap_closed"] == {"hamlet/standard/all/adam": pytest.approx(0.75)}
+
+
+def test_evidence_from_writes_the_file_and_refuses_a_bad_call(study, tmp_path):
+    folder = _folder(tmp_path, {
+        ("hamlet", "precision_weighted", "all", "sgd", "none"): [2.6, 2.7],
+        ("hamlet", "precision_weighted", "all", "sgd", "auto"): [2.3, 2.2]})
+    out = tmp_path / "evidence.json"
+    assert study.main(["--evidence-from", str(folder), str(out)]) == 0
+    assert json.loads(out.read_text()) == study.evidence_from(folder)
+    with pytest.raises(SystemExit, match="usage"):
+        study.main(["--evidence-from", str(folder)])

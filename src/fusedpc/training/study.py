@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from fusedpc.training._config import TrainConfig
@@ -280,7 +281,7 @@ def run_study(config: TrainConfig, seeds: int, vary: dict[str, list[Any]],
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(
         {"settings": config_settings(config), "seeds": seeds, "vary": vary,
-         "cases": cases or []}, indent=1, default=str))
+         "cases": cases or [], "jax": jax.__version__}, indent=1, default=str))
     results: list[tuple[dict[str, Any], SeedRuns, int] | None] = [None] * len(grid)
     seed_list = range(config.seed, config.seed + seeds)
     with open(folder / "runs.jsonl", "w") as log:
