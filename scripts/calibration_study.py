@@ -161,6 +161,36 @@ def evidence_from(folder: Path) -> dict[str, Any]:
             "targets": targets(summary)}
 
 
+def markdown_table(evidence: dict[str, Any]) -> str:
+    """docs/calibration.md's table: per cell `none`, `probe`, the gain and the twin, **bold**
+    where `probe` is lower than `none` by more than the spread (the larger seed standard
+    deviation), "(worse)" where higher by more than it."""
+    cells = {(c["text"], c["learning_kind"], c["learn"], c["optimiser"], c["method"]): c
+             for c in evidence["cells"]}
+    lines = ["| text | kind | learn | optimiser | `none` | `probe` (`--calibrate auto`) | gain "
+             "| backprop twin |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (text, kind, learn, optimiser, method), none in cells.items():
+        probe = cells.get((text, kind, learn, optimiser, "probe"))
+        if method != "none" or probe is None:
+            continue
+        spread = max(none["val_loss_std"], probe["val_loss_std"])
+        shown = f"{probe['val_loss_mean']:.3f} ± {probe['val_loss_std']:.3f}"
+        if probe["val_loss_mean"] < none["val_loss_mean"] - spread:
+            shown = f"**{shown}**"
+        elif probe["val_loss_mean"] > none["val_loss_mean"] + spread:
+            shown += " (worse)"
+        twin = cells.get((text, "backprop", "all", optimiser, "backprop_twin"))
+        lines.append(
+            f"| {text} | {kind} | {learn} | {optimiser} | {none['val_loss_mean']:.3f} ± "
+            f"{none['val_loss_std']:.3f} | {shown} | "
+            f"{none['val_loss_mean'] - probe['val_loss_mean']:+.3f} | "
+            f"{twin['val_loss_mean']:.3f} |" if learn == "all" and twin else
+            f"| {text} | {kind} | {learn} | {optimiser} | {none['val_loss_mean']:.3f} ± "
+            f"{none['val_loss_std']:.3f} | {shown} | "
+            f"{none['val_loss_mean'] - probe['val_loss_mean']:+.3f} | – |")
+    return "\n".join(lines)
+
+
 def write_evidence(folder: Path, path: str | os.PathLike[str]) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(evidence_from(folder), handle, indent=1)
@@ -248,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(summary, out / "calibration.png")
     for line in (*summary, *targets(summary)):
         print(json.dumps(line))
+    print(markdown_table(evidence_from(out)), file=sys.stderr)
     return 0
 
 

@@ -1,7 +1,7 @@
 """The bundled calibration evidence (`src/fusedpc/training/calibration_evidence.json`, what
 `fusedpc report` suggests from): its schema, checked key by key, and that it is exactly what
-scripts/calibration_study.py writes (`--evidence`, `--evidence-from`; docs/calibration.md
-gives the command that regenerates it)."""
+scripts/calibration_study.py writes from the study's files (`--evidence-from`;
+docs/calibration.md gives the command that regenerates it)."""
 
 import json
 import math
@@ -142,17 +142,16 @@ def test_fusedpc_report_finds_a_cell_for_every_kind_preset_and_optimiser(evidenc
     assert suggest(TrainConfig(), [], evidence=evidence)  # the bundled file, as read
 
 
+STUDY_DATA = ROOT / "docs" / "study_data" / "calibration"
+
+
 @pytest.mark.slow
-def test_the_shipped_file_is_what_the_study_writes(tmp_path, evidence):
-    # the study's lines the evidence keeps (a study line, summary and targets lines), back
-    # through the documented conversion: the same bytes
-    lines = [{"kind": "study", **evidence["study"]},
-             *({"kind": "summary", **cell} for cell in evidence["cells"]),
-             *evidence["targets"]]
-    jsonl, out = tmp_path / "calibration.jsonl", tmp_path / EVIDENCE_NAME
-    jsonl.write_text("".join(json.dumps(line) + "\n" for line in lines))
+def test_the_shipped_file_is_what_the_study_writes(tmp_path):
+    # the study's own files (its config.json and runs.jsonl, kept beside the docs), through
+    # the documented conversion: the same bytes
+    out = tmp_path / EVIDENCE_NAME
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--evidence-from", str(jsonl), str(out)],
+        [sys.executable, str(SCRIPT), "--evidence-from", str(STUDY_DATA), str(out)],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
