@@ -324,3 +324,25 @@ def test_update_ratio_guard_reports_every_step():
     _, guarded = _cadence_pipelines(max_update_ratio=10.0)
     _, _, metrics = guarded.run(xs, xs, keep_outputs=False, report_every=3)
     assert np.asarray(metrics.reported).all() and np.asarray(metrics.committed).all()
+
+
+def test_a_step_without_its_report_makes_the_same_update_and_says_so():
+    xs, ts = _batches(steps=3)
+    full, quiet = fusedpc.FusedPipeline(_tree()), fusedpc.FusedPipeline(_tree())
+    for i, (x, t) in enumerate(zip(xs, ts)):
+        full.step(x, t)
+        quiet.step(x, t, report=i == 2)  # the report of the last step only
+        assert bool(quiet.last_metrics.reported) == (i == 2)
+        np.testing.assert_array_equal(np.asarray(quiet.last_metrics.loss),
+                                      np.asarray(full.last_metrics.loss))
+        if i < 2:
+            with pytest.raises(ValueError, match="computed no report"):
+                quiet.report()
+    _assert_trees_equal(full.state, quiet.state)  # bit for bit
+    assert quiet.report() == full.report()
+    assert quiet.trace_counts["step"] == 2  # one program with the report, one without
+    # the commit rule is the same without the report: a non-finite batch is refused
+    before = jax.tree_util.tree_map(np.asarray, quiet.state)
+    quiet.step(xs[0] * jnp.nan, ts[0], report=False)
+    assert not bool(quiet.last_metrics.committed)
+    _assert_trees_equal(before, quiet.state)

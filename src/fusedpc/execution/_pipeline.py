@@ -157,7 +157,8 @@ class FusedPipeline(PipelineReadout):
         if self.mesh is not None:
             carry = [a.sharding for a in self._carry_flat.leaves]
             pinned = {"out_shardings": (carry, None, None, None)}
-        self._step_jit = jax.jit(self._flat_step_program, donate_argnums=(0,), **pinned)
+        self._step_jit = jax.jit(self._flat_step_program, donate_argnums=(0,),
+                                 static_argnames=("detailed",), **pinned)
         self._run_jit = jax.jit(
             self._flat_run_program, donate_argnums=(0,), static_argnames=("keep_outputs",),
             **pinned,
@@ -197,13 +198,14 @@ class FusedPipeline(PipelineReadout):
         return _sharding.shard_batch(x, self.mesh, axis)
 
     # ------------------------------------------------------------------ programs
-    def _step_program(self, carry, x, target, mask=None):
-        result = self.program.step(carry, x, target, mask)
+    def _step_program(self, carry, x, target, mask=None, detailed=True):
+        result = self.program.step(carry, x, target, mask, detailed)
         self.trace_counts["step"] += 1  # counted once the trace succeeded
         return result
 
-    def _flat_step_program(self, leaves, x, target, mask=None):
-        carry, out = self._step_program(self._carry_flat.rebuild(leaves), x, target, mask)
+    def _flat_step_program(self, leaves, x, target, mask=None, detailed=True):
+        carry, out = self._step_program(self._carry_flat.rebuild(leaves), x, target, mask,
+                                        detailed)
         return self._flat_result(carry, out, shape_of(out.output))
 
     def _flat_run_program(self, leaves, xs, targets, masks=None, report_at=None,
@@ -324,12 +326,15 @@ class FusedPipeline(PipelineReadout):
         return self._outputs[signature]
 
     # ------------------------------------------------------------------ public API
-    def step(self, x: Any, target: Any, mask: Any = None) -> tuple[jax.Array, Any]:
+    def step(self, x: Any, target: Any, mask: Any = None, *,
+             report: bool = True) -> tuple[jax.Array, Any]:
         """One training step, one compiled call. Returns `(output, input_error)`.
 
         `mask` (optional, the output's shape without its last axis): row weights, 0 for
         padding rows; the step then follows the masked mean loss exactly (see
-        `StepProgram.step`)."""
+        `StepProgram.step`). `report=False` skips the parts' report norms (the same update,
+        commit rule and loss; `report()` then shows NaN norms): a second compiled program,
+        for steps you will not read the report of (`report=(i % 10 == 0)`)."""
         self._check_pending()
         self._validate(x, target, batched=False, mask=mask)
         x, target_placed = self.place_batch(x), self.place_batch(target)
@@ -345,11 +350,13 @@ class FusedPipeline(PipelineReadout):
         _validation.check_class_ids(
             self.error_fn, target, out.shape[-1], "target", self.check_device_ids
         )
-        with collection_paused(("step", signature) not in self._compiled):
+        report = bool(report)  # passed only when False: the trace above has the default
+        with collection_paused(("step", signature, report) not in self._compiled):
             leaves, output, input_error, metrics = self._step_jit(
-                self._carry_flat.leaves, x, target_placed, mask_placed
+                self._carry_flat.leaves, x, target_placed, mask_placed,
+                **({} if report else {"detailed": False}),
             )
-        self._compiled.add(("step", signature))
+        self._compiled.add(("step", signature, report))
         self._carry_flat = self._carry_flat.replaced(leaves)
         self._last_flat = self._pending_flat = Flat(metrics.structure, metrics.leaves)
         self._last_stacked = False
@@ -457,23 +464,7 @@ class FusedPipeline(PipelineReadout):
         """Replace the state (e.g. from a checkpoint); its structure, shapes and dtypes must
         match the current one exactly. `counters` (a whole `Counters`, skip reasons and
         running loss included) replaces `steps` and `skipped` when given."""
-        current = self._carry.state
-        expected = jax.tree_util.tree_structure(current)
-        actual = jax.tree_util.tree_structure(state)
-        if expected != actual:  # type: ignore[operator]  # PyTreeDef's stub lacks __ne__
-            raise ValueError(
-                f"set_state: the state's tree structure differs from this pipeline's.\n"
-                f"expected: {expected}\nactual:   {actual}"
-            )
-        for (path, old), new in zip(
-            jax.tree_util.tree_leaves_with_path(current), jax.tree_util.tree_leaves(state)
-        ):
-            if jnp.shape(old) != jnp.shape(new) or jnp.result_type(old) != jnp.result_type(new):
-                raise ValueError(
-                    f"set_state: leaf {jax.tree_util.keystr(path)} expected "
-                    f"{jnp.result_type(old)}{list(jnp.shape(old))}, got "
-                    f"{jnp.result_type(new)}{list(jnp.shape(new))}."
-                )
+        _validation.check_same_state(self._carry.state, state)
         if counters is None:
             counters = Counters(
                 steps=jnp.asarray(steps, jnp.int32), skipped=jnp.asarray(skipped, jnp.int32)

@@ -149,3 +149,24 @@ def check_class_ids(
             f"{name}: class ids must lie in [0, {width}) (the output's last axis, for "
             f"error_fn {error_fn.name!r}), got {low if low < 0 else high}."
         )
+
+
+def check_same_state(current: Any, state: Any) -> None:
+    """`state` has the tree structure, and every leaf the shape and dtype, of `current`
+    (`FusedPipeline.set_state`); the message names the first leaf that differs."""
+    expected = jax.tree_util.tree_structure(current)
+    actual = jax.tree_util.tree_structure(state)
+    if expected != actual:  # type: ignore[operator]  # PyTreeDef's stub lacks __ne__
+        raise ValueError(
+            f"set_state: the state's tree structure differs from this pipeline's.\n"
+            f"expected: {expected}\nactual:   {actual}"
+        )
+    for (path, old), new in zip(
+        jax.tree_util.tree_leaves_with_path(current), jax.tree_util.tree_leaves(state)
+    ):
+        if jnp.shape(old) != jnp.shape(new) or jnp.result_type(old) != jnp.result_type(new):
+            raise ValueError(
+                f"set_state: leaf {jax.tree_util.keystr(path)} expected "
+                f"{jnp.result_type(old)}{list(jnp.shape(old))}, got "
+                f"{jnp.result_type(new)}{list(jnp.shape(new))}."
+            )
