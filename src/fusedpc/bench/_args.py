@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 from fusedpc._deprecation import warn_deprecated
+from fusedpc.cli._flags import parse_bool
 from fusedpc.training import HOST_MEMORY_MODES, OPTIMISERS
 
 VARIANTS = ("fused", "fused_run", "unfused", "backprop")
@@ -411,7 +412,7 @@ def _numeric_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
         "change falls below this, at most --inference-steps (default 0: always all)",
     )
     p.add_argument(
-        "--incremental-inference", type=_true_false, default=d.incremental_inference,
+        "--incremental-inference", type=parse_bool, default=d.incremental_inference,
         help="tree-PC variants: true for incremental PC, the weights step at every sweep "
         "(default false)",
     )
@@ -422,12 +423,6 @@ def _numeric_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
     )
     # A measuring process: reads its task and the parent's BenchArgs from stdin (_workers).
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-
-
-def _true_false(text: str) -> bool:
-    if text.lower() not in ("true", "false"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() == "true"
 
 
 def parse_args(

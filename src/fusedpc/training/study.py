@@ -45,18 +45,26 @@ from fusedpc.training.seeds import SeedRuns, shared_program, train_runs
 RESAMPLES = 10_000
 
 
+def _assignment(item: str, flag: str, expected: str, seen: dict[str, Any],
+                text: str) -> tuple[str, str]:
+    """`name=value` of `flag`: the setting's name (dashes read as underscores; a known
+    setting, not yet in `seen`) and the value's text; `text` is what the message quotes."""
+    name, sep, value = item.partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or not value.strip():
+        raise ValueError(f"{flag}: expected {expected}, got {text!r}.")
+    if name in seen:
+        raise ValueError(f"{flag}: {name!r} given twice ({text!r}).")
+    _known(name, flag)
+    return name, value.strip()
+
+
 def parse_vary(texts: list[str]) -> dict[str, list[Any]]:
     """`["lr=0.001,0.003", ...]` as `{"lr": [0.001, 0.003]}`, each value read as its
     setting's type and checked as a config file's are (the message names the bad one)."""
     out: dict[str, list[Any]] = {}
     for text in texts:
-        name, sep, values = text.partition("=")
-        name = name.strip().replace("-", "_")
-        if not sep or not values.strip():
-            raise ValueError(f"--vary: expected name=v1,v2,..., got {text!r}.")
-        if name in out:
-            raise ValueError(f"--vary: {name!r} given twice.")
-        _known(name, "--vary")
+        name, values = _assignment(text, "--vary", "name=v1,v2,...", out, text)
         out[name] = _checked(name, [_typed(name, v.strip()) for v in values.split(",")],
                              "--vary")
     return out
@@ -66,20 +74,15 @@ def parse_cases(texts: list[str]) -> list[dict[str, Any]]:
     """`["learning_kind=iterative,inference_steps=4", ...]` as one setting per text
     (`{"learning_kind": "iterative", "inference_steps": 4}`), each value read and checked as
     `parse_vary` reads one."""
+    expected = "name=value,name=value,..."
     cases = []
     for text in texts:
         case: dict[str, Any] = {}
         for item in filter(None, (t.strip() for t in text.split(","))):
-            name, sep, value = item.partition("=")
-            name = name.strip().replace("-", "_")
-            if not sep or not value.strip():
-                raise ValueError(f"--case: expected name=value,name=value,..., got {text!r}.")
-            if name in case:
-                raise ValueError(f"--case: {name!r} given twice in {text!r}.")
-            _known(name, "--case")
-            case[name] = _checked(name, [_typed(name, value.strip())], "--case")[0]
+            name, value = _assignment(item, "--case", expected, case, text)
+            case[name] = _checked(name, [_typed(name, value)], "--case")[0]
         if not case:
-            raise ValueError(f"--case: expected name=value,name=value,..., got {text!r}.")
+            raise ValueError(f"--case: expected {expected}, got {text!r}.")
         cases.append(case)
     return cases
 
