@@ -526,8 +526,8 @@ def bench_stage(check: Check, help_process: subprocess.Popen) -> None:
             check.emit({
                 "stage": "bench", "ok": False, "config": name, "dtype": dtype,
                 "exit_code": code, "timed_out": code is None, "missing": missing,
-                "error": tail(err, 8) or (f"timed out after {budget:.0f} s" if code is None
-                                          else "no rows"), "wall_s": wall,
+                "error": (f"timed out after {budget:.0f} s; " if code is None else "")
+                + (tail(err, 8) or "no rows"), "wall_s": wall,
             })
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 from fusedpc.bench._args import BenchArgs
@@ -96,10 +97,16 @@ def in_subprocess(args: BenchArgs, task: str, n_blocks: int) -> dict[str, Any]:
         from fusedpc.training import host_memory_env
 
         env.update(host_memory_env())  # read by glibc when the worker starts
+    # progress on stderr, so that a run cut short says which worker it was waiting for
+    print(f"bench: {task} (n_blocks={n_blocks}): a fresh worker process", file=sys.stderr,
+          flush=True)
+    began = time.perf_counter()
     done = subprocess.run(
         command, input=worker_request(args, task, n_blocks), capture_output=True, text=True,
         env=env,
     )
+    print(f"bench: {task} (n_blocks={n_blocks}): done in {time.perf_counter() - began:.1f} s",
+          file=sys.stderr, flush=True)
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
         raise RuntimeError(
