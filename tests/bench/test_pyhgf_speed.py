@@ -1,0 +1,43 @@
+"""scripts/pyhgf_speed.py: its fusedpc side trains the benchmark GPT (the loss falls on the
+repeated batch) and says what it ran; a missing pyhgf environment is refused by name. (pyhgf's
+side needs its own Python >= 3.12 environment, which the suite does not build.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "pyhgf_speed.py"
+
+
+@pytest.fixture(scope="module")
+def speed():
+    spec = importlib.util.spec_from_file_location("pyhgf_speed", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+@pytest.mark.slow
+def test_the_fusedpc_side_trains_and_reports(speed):
+    row = speed.fusedpc_side({**speed.CONFIG, "steps": 20, "warmup": 0})
+    assert row["side"] == "fusedpc" and row["finite"]
+    assert row["step_ms"] > 0 and row["tokens_per_s"] == pytest.approx(
+        16 * 32 / (row["step_ms"] / 1e3))
+    assert row["loss_last"] < row["loss_first"] - 0.1  # the one batch, learnt
+
+
+def test_a_missing_pyhgf_environment_is_refused(speed, tmp_path, capsys):
+    missing = tmp_path / "no-venv" / "python"
+    with pytest.raises(SystemExit):
+        speed.main(["--pyhgf-python", str(missing), "--rounds", "1"])
+    assert f"--pyhgf-python: {str(missing)!r} does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        speed.main(["--rounds", "0"])
