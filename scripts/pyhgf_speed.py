@@ -26,7 +26,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -42,6 +41,9 @@ def fusedpc_side(r: dict) -> dict:
 
     import fusedpc
 
+    sys.path.insert(0, str(HERE / "peers"))
+    from _worker import timed_steps  # the timing pyhgf's side uses too
+
     config = fusedpc.GPTConfig(vocab_size=r["vocab"], width=r["width"], n_heads=r["n_heads"],
                                n_blocks=r["n_blocks"], ff_width=r["ff_width"],
                                max_len=r["seq"], learn="all")
@@ -50,19 +52,9 @@ def fusedpc_side(r: dict) -> dict:
     ids = jax.random.randint(jax.random.key(r["seed"] + 1), (r["batch"], r["seq"] + 1), 0,
                              r["vocab"])
     x, y = ids[:, :-1], ids[:, 1:]
-    start = time.perf_counter()
-    output, _ = pipeline.step(x, y)
-    jax.block_until_ready(output)
-    first = time.perf_counter() - start
-    loss_first = _cross_entropy(output, y)
-    for _ in range(r["warmup"]):
-        output, _ = pipeline.step(x, y)
-    jax.block_until_ready(output)
-    start = time.perf_counter()
-    for _ in range(r["steps"]):
-        output, _ = pipeline.step(x, y)
-    jax.block_until_ready(output)
-    step_s = (time.perf_counter() - start) / r["steps"]
+    first, step_s, output_first, output = timed_steps(
+        lambda: pipeline.step(x, y)[0], jax.block_until_ready, r["warmup"], r["steps"])
+    loss_first = _cross_entropy(output_first, y)
     return {"side": "fusedpc", "step_ms": step_s * 1e3,
             "tokens_per_s": r["batch"] * r["seq"] / step_s, "first_call_s": first,
             "loss_first": loss_first, "loss_last": _cross_entropy(output, y),

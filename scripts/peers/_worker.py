@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -68,3 +69,24 @@ def ms_per_step(n: int, one_step: Callable[[int], None], sync: Callable[[], None
         one_step(i)
     sync()
     return (time.perf_counter() - start) / n * 1e3
+
+
+def timed_steps(step: Callable[[], Any], sync: Callable[[Any], object], warmup: int,
+                steps: int) -> tuple[float, float, Any, Any]:
+    """`step()` timed as `scripts/pyhgf_speed.py` times each side: its first call (compiling)
+    alone, `warmup` more calls untimed, then `steps` calls dispatched without a host sync in
+    between and waited for (`sync(result)`). Returns `(seconds of the first call, seconds per
+    timed step, the first call's result, the last one's)`."""
+    start = time.perf_counter()
+    first = step()
+    sync(first)
+    first_s = time.perf_counter() - start
+    last = first
+    for _ in range(warmup):
+        last = step()
+    sync(last)
+    start = time.perf_counter()
+    for _ in range(steps):
+        last = step()
+    sync(last)
+    return first_s, (time.perf_counter() - start) / steps, first, last

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from _worker import timed_steps  # this folder, beside this file
 from pyhgf.model.fused import FusedPipeline
 from pyhgf.model.hybrid import DeepNetworkAdapter
 from pyhgf.model.transformer import hybrid_from_gpt
@@ -101,19 +101,9 @@ def main() -> int:
         error_normalisation="rows")
     ids = jax.random.randint(jax.random.key(r["seed"] + 1), (r["batch"], r["seq"] + 1), 0, vocab)
     x, y = ids[:, :-1], ids[:, 1:]
-    start = time.perf_counter()
-    output, _ = pipeline.step(x, y)
-    jax.block_until_ready(output)
-    first = time.perf_counter() - start
-    loss_first = _cross_entropy(output, y)
-    for _ in range(r["warmup"]):
-        output, _ = pipeline.step(x, y)
-    jax.block_until_ready(output)
-    start = time.perf_counter()
-    for _ in range(r["steps"]):
-        output, _ = pipeline.step(x, y)
-    jax.block_until_ready(output)
-    step_s = (time.perf_counter() - start) / r["steps"]
+    first, step_s, output_first, output = timed_steps(
+        lambda: pipeline.step(x, y)[0], jax.block_until_ready, r["warmup"], r["steps"])
+    loss_first = _cross_entropy(output_first, y)
     loss = _cross_entropy(output, y)
     print(json.dumps({
         "side": "pyhgf", "step_ms": step_s * 1e3,

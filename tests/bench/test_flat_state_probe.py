@@ -3,28 +3,17 @@ loss, the same state after a few steps), and it prints one JSON row per variant.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import jax
 import numpy as np
 import pytest
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "flat_state_probe.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("flat_state_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    return load_script("flat_state_probe")
 
 
 def test_the_flat_and_per_leaf_steps_train_alike(probe):

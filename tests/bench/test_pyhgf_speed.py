@@ -4,25 +4,13 @@ side needs its own Python >= 3.12 environment, which the suite does not build.)"
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "pyhgf_speed.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def speed():
-    spec = importlib.util.spec_from_file_location("pyhgf_speed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    return load_script("pyhgf_speed")
 
 
 @pytest.mark.slow

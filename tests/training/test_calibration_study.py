@@ -4,27 +4,18 @@ study itself is `fusedpc study` (tested in test_study.py and test_seeds.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
+from helpers import load_script
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "calibration_study.py"
 GPL = "/usr/share/common-licenses/GPL-3"
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("calibration_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    return load_script("calibration_study")
 
 
 def _folder(tmp_path, finals: dict[tuple, list[float]]) -> pathlib.Path:
