@@ -2,7 +2,8 @@
 (vocabulary 64, width 64, 4 heads, 2 blocks, feed-forward 256, 32 tokens, batch 16, Adam
 1e-3, the precision-weighted learning kind, the softmax cross-entropy of the logits averaged
 over the rows), tokens per second in `step` mode, each side in a fresh process of its own,
-the sides alternating round by round.
+the sides alternating round by round (`scripts/peers/fusedpc_gpt_side.py` and
+`scripts/peers/pyhgf_side.py`, timed alike by `scripts/peers/_worker.py`).
 
 pyhgf (GPL-3.0; run, never copied) needs Python >= 3.12 and jax < 0.7, so it lives in its
 own virtual environment, e.g. from pyenv's 3.12 interpreter:
@@ -28,48 +29,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+PEERS = Path(__file__).resolve().parent / "peers"
 CONFIG = {"vocab": 64, "width": 64, "n_heads": 4, "n_blocks": 2, "ff_width": 256, "seq": 32,
           "batch": 16, "lr": 1e-3, "steps": 200, "warmup": 10, "seed": 0}
 THUNK = "--xla_cpu_use_thunk_runtime=true"
-
-
-def fusedpc_side(r: dict) -> dict:
-    """fusedpc's all-learning GPT at the same sizes, `FusedPipeline.step` timed likewise."""
-    import jax
-    import optax
-
-    import fusedpc
-
-    sys.path.insert(0, str(HERE / "peers"))
-    from _worker import timed_steps  # the timing pyhgf's side uses too
-
-    config = fusedpc.GPTConfig(vocab_size=r["vocab"], width=r["width"], n_heads=r["n_heads"],
-                               n_blocks=r["n_blocks"], ff_width=r["ff_width"],
-                               max_len=r["seq"], learn="all")
-    part, _ = fusedpc.build_gpt(config, optax.adam(r["lr"]), jax.random.key(r["seed"]))
-    pipeline = fusedpc.FusedPipeline(part, config.error_fn)
-    ids = jax.random.randint(jax.random.key(r["seed"] + 1), (r["batch"], r["seq"] + 1), 0,
-                             r["vocab"])
-    x, y = ids[:, :-1], ids[:, 1:]
-    first, step_s, output_first, output = timed_steps(
-        lambda: pipeline.step(x, y)[0], jax.block_until_ready, r["warmup"], r["steps"])
-    loss_first = _cross_entropy(output_first, y)
-    return {"side": "fusedpc", "step_ms": step_s * 1e3,
-            "tokens_per_s": r["batch"] * r["seq"] / step_s, "first_call_s": first,
-            "loss_first": loss_first, "loss_last": _cross_entropy(output, y),
-            "finite": bool(pipeline.last_metrics.committed), "jax": jax.__version__,
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
-
-
-def _cross_entropy(output, ids) -> float:
-    """The mean cross-entropy of the logits against the targets (the same number on both
-    sides: the training batch's, after the step that produced `output`)."""
-    import jax
-    import jax.numpy as jnp
-
-    picked = jnp.take_along_axis(jax.nn.log_softmax(output), ids[..., None], axis=-1)
-    return float(-jnp.mean(picked))
 
 
 def _run(command: list[str], request: dict) -> dict:
@@ -89,11 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the interpreter of pyhgf's virtual environment")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=CONFIG["steps"])
-    parser.add_argument("--side", choices=("fusedpc",), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.side == "fusedpc":  # a worker: the request on stdin, one row out
-        print(json.dumps(fusedpc_side(json.loads(sys.stdin.read()))))
-        return 0
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds and --steps: expected integers >= 1, got {args.rounds} and "
                      f"{args.steps}")
@@ -101,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--pyhgf-python: {args.pyhgf_python!r} does not exist; make pyhgf's "
                      "environment first (this script's docstring says how)")
     request = {**CONFIG, "steps": args.steps}
-    sides = {"fusedpc": [sys.executable, str(Path(__file__).resolve()), "--side", "fusedpc"],
-             "pyhgf": [args.pyhgf_python, str(HERE / "peers" / "pyhgf_side.py")]}
+    sides = {"fusedpc": [sys.executable, str(PEERS / "fusedpc_gpt_side.py")],
+             "pyhgf": [args.pyhgf_python, str(PEERS / "pyhgf_side.py")]}
     ratios = []
     for round_ in range(args.rounds):
         order = list(sides) if round_ % 2 == 0 else list(reversed(sides))

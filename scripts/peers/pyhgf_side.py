@@ -16,9 +16,9 @@ import sys
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
+import numpy as np
 import optax
-from _worker import timed_steps  # this folder, beside this file
+from _worker import cross_entropy, timed_steps  # this folder, beside this file
 from pyhgf.model.fused import FusedPipeline
 from pyhgf.model.hybrid import DeepNetworkAdapter
 from pyhgf.model.transformer import hybrid_from_gpt
@@ -72,11 +72,6 @@ def _gpt(r: dict, key) -> _GPT:
                 eqx.nn.Linear(d, r["vocab"], key=next(keys)))
 
 
-def _cross_entropy(logits, ids) -> float:
-    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), ids[..., None], axis=-1)
-    return float(-jnp.mean(picked))
-
-
 def main() -> int:
     r = json.loads(sys.stdin.read())
     gpt = _gpt(r, jax.random.key(r["seed"]))
@@ -103,13 +98,13 @@ def main() -> int:
     x, y = ids[:, :-1], ids[:, 1:]
     first, step_s, output_first, output = timed_steps(
         lambda: pipeline.step(x, y)[0], jax.block_until_ready, r["warmup"], r["steps"])
-    loss_first = _cross_entropy(output_first, y)
-    loss = _cross_entropy(output, y)
+    loss_first = cross_entropy(output_first, y)
+    loss = cross_entropy(output, y)
     print(json.dumps({
         "side": "pyhgf", "step_ms": step_s * 1e3,
         "tokens_per_s": r["batch"] * r["seq"] / step_s, "first_call_s": first,
         "loss_first": loss_first, "loss_last": loss,
-        "finite": bool(jnp.isfinite(loss)), "jax": jax.__version__,
+        "finite": bool(np.isfinite(loss)), "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }))
     return 0
