@@ -140,6 +140,17 @@ def test_calibration_medians_multipliers_and_reasons():
     assert "big" in text and "0.0333" in text and "4x2" in text
 
 
+def test_the_slot_rule_pools_a_slots_parts_to_the_target_ratio():
+    # kept from the calibration study's own tests (its `report_rule` was `calibrate_slots`):
+    # a slot's parts are pooled, each slot brought to the target ratio
+    ratios = {"token": 1e-4, "blocks[0].attention.wq": 4e-3, "blocks[0].attention.wo": 4e-3,
+              "head": 1e-3}
+    rows = [{"kind": "report", "step": step, "part": part, "update_ratio": ratio,
+             "layer_sizes": [4, 4]} for step in (5, 10, 15) for part, ratio in ratios.items()]
+    table = {c.part: c.multiplier for c in _calibrate.calibrate_slots(rows, 1e-3)}
+    assert table == pytest.approx({"token": 10.0, "attention": 0.25, "head": 1.0})
+
+
 def test_calibration_over_the_last_fraction_and_errors():
     rows = _rows("p", [1.0, 1.0, 1e-3, 1e-3])
     (whole,) = _calibrate.calibrate(rows, fraction=1.0)
