@@ -10,6 +10,11 @@ output row by row, and the position table from its **batch mean** $\\frac1B\\sum
 that its own $1/T$ row mean times the $1/B$ reproduces the $1/(BT)$ loss average. The GPT
 part's input error is the error at the embedding output, `(batch, seq, width)`.
 
+A GPT built with `token_input="distributions"` reads a distribution over the vocabulary at
+every position, `(batch, seq, vocab)`, instead of ids: its token slot is then a map of such
+rows (`frozen.linear(table.T)`: $h_0 = q T$), and its input error is that slot's, the error
+at the distributions (`fusedpc.transformer.infill` relaxes hidden tokens on it).
+
 A GPT whose attentions rotate their queries and keys (rotary positions) has no position
 table: `position=None`, $h_0 = T[\\mathrm{ids}]$, and its state's `position` field is None.
 """
@@ -32,6 +37,8 @@ from fusedpc.parts._compose import SequentialCache
 
 _BLOCK_SLOTS = ("n1", "attention", "n2", "feed_forward")
 _GPT_SLOTS = ("token", "position", "blocks", "norm_f", "head")
+TOKEN_INPUTS = ("ids", "distributions")
+"""What a `GPTPart` reads: integer ids, or float distributions over the vocabulary."""
 
 
 class BlockState(eqx.Module):
@@ -236,6 +243,9 @@ class GPTPart(AbstractPart):
             bfloat16 (parameters, optimiser states, norms and the loss in float32; the
             output in float32), as `FusedPipeline(compute_dtype=...)` does for any tree;
             None (float32) by default.
+        token_input: `"ids"` (integer ids `(B, T)`, the default) or `"distributions"`
+            (float rows over the vocabulary `(B, T, V)`, e.g. one-hot or a softmax; `token`
+            must map them to `(B, T, D)`, and the GPT's input error is `token`'s).
     """
 
     defers_updates: ClassVar[bool] = True
@@ -249,9 +259,10 @@ class GPTPart(AbstractPart):
     max_len: int = eqx.field(static=True)
     output: str = eqx.field(static=True)
     compute_dtype: str | None = eqx.field(static=True, default=None)
+    token_input: str = eqx.field(static=True, default="ids")
 
     def __init__(self, token, position, blocks, norm_f, head, *, vocab_size, max_len,
-                 output="logits", compute_dtype=None):
+                 output="logits", compute_dtype=None, token_input="ids"):
         self.token = check_part(token, "GPTPart.token")
         self.position = None if position is None else check_part(position, "GPTPart.position")
         if isinstance(blocks, list | tuple):
@@ -267,6 +278,10 @@ class GPTPart(AbstractPart):
             )
         self.output = output
         self.compute_dtype = resolve_compute_dtype(compute_dtype, "GPTPart: compute_dtype")
+        if token_input not in TOKEN_INPUTS:
+            raise ValueError(f"GPTPart: token_input must be one of {TOKEN_INPUTS}, got "
+                             f"{token_input!r}.")
+        self.token_input = token_input
 
     def _slot_names(self) -> tuple[str, ...]:
         if self.position is None:
@@ -286,17 +301,46 @@ class GPTPart(AbstractPart):
 
         Rank, dtype and length are checked once, at trace time (`forward`), so they hold
         wherever the step runs (a pipeline, `make_step` inside a user's jit)."""
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return  # a device array without check_device_ids: its values are not read
+        if isinstance(x, jax.ShapeDtypeStruct) or self.token_input == "distributions":
+            return  # values not read (a device array without check_device_ids), or not ids
         if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
             return  # not ids at all: the trace says what is wrong
         check_ids(x, self.vocab_size, path)
 
     def input_checks(self, x: Any, path: str) -> tuple[Any, ...]:
         """Inside the step: the ids lie in the vocabulary (named after the token slot)."""
-        if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+        ids = self.token_input == "ids"
+        if not ids or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
             return ()  # not ids at all: the forward's trace-time check says what is wrong
         return (id_range_check(x, self.vocab_size, join_path(path, "token")),)
+
+    def _check_input(self, ids, path: str) -> None:
+        if self.token_input == "distributions":
+            self._check_distributions(ids, path)
+            return
+        if jnp.ndim(ids) != 2:
+            raise ValueError(
+                f"{display_path(path)}: expected token ids of shape (batch, seq), got shape "
+                f"{tuple(jnp.shape(ids))}: an input of rank 2 (batch, seq) is needed, this "
+                f"one has rank {jnp.ndim(ids)}."
+            )
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(
+                f"{display_path(path)}: expected integer token ids, got dtype {ids.dtype}; "
+                "convert with .astype(np.int32)."
+            )
+
+    def _check_distributions(self, rows, path: str) -> None:
+        shape = tuple(jnp.shape(rows))
+        if len(shape) != 3 or shape[-1] != self.vocab_size:
+            raise ValueError(
+                f"{display_path(path)}: token_input='distributions' expects rows over the "
+                f"vocabulary of shape (batch, seq, {self.vocab_size}), got shape {shape}.")
+        if not jnp.issubdtype(jnp.result_type(rows), jnp.floating):
+            raise TypeError(
+                f"{display_path(path)}: token_input='distributions' expects float rows, got "
+                f"dtype {jnp.result_type(rows)}; one-hot ids with jax.nn.one_hot(ids, "
+                f"{self.vocab_size}).")
 
     def init_state(self, key: jax.Array) -> GPTState:
         keys = jax.random.split(key, 5)
@@ -331,17 +375,7 @@ class GPTPart(AbstractPart):
             return walk_backward(state, cache, error, own_dtype(ctx))
 
         def walk_forward(state: GPTState, ids, ctx: StepContext):
-            if jnp.ndim(ids) != 2:
-                raise ValueError(
-                    f"{display_path(path)}: expected token ids of shape (batch, seq), got shape "
-                    f"{tuple(jnp.shape(ids))}: an input of rank 2 (batch, seq) is needed, this "
-                    f"one has rank {jnp.ndim(ids)}."
-                )
-            if not jnp.issubdtype(ids.dtype, jnp.integer):
-                raise TypeError(
-                    f"{display_path(path)}: expected integer token ids, got dtype {ids.dtype}; "
-                    "convert with .astype(np.int32)."
-                )
+            self._check_input(ids, path)
             seq = ids.shape[1]
             if seq > self.max_len:
                 limit = (f"the position table's {self.max_len} positions" if position
@@ -364,12 +398,15 @@ class GPTPart(AbstractPart):
             e, s_head, m_head = head.backward(state.head, cache.head, error, ctx)
             e, s_norm, m_norm = norm_f.backward(state.norm_f, cache.norm_f, e, ctx)
             e, s_blocks, m_blocks = blocks.backward(state.blocks, cache.blocks, e, ctx)
-            _, s_tok, m_tok = token.backward(state.token, cache.token, e, ctx)
+            e_blocks = e
+            e_tok, s_tok, m_tok = token.backward(state.token, cache.token, e, ctx)
+            if self.token_input == "distributions":
+                e = e_tok  # the error at the distributions
             if position is None:
                 metrics = named(token=m_tok, blocks=m_blocks, norm_f=m_norm, head=m_head)
                 return e, GPTState(s_tok, None, s_blocks, s_norm, s_head), metrics
             _, s_pos, m_pos = position.backward(
-                state.position, cache.position, jnp.mean(widened(e), axis=0), ctx
+                state.position, cache.position, jnp.mean(widened(e_blocks), axis=0), ctx
             )
             metrics = named(
                 token=m_tok, position=m_pos, blocks=m_blocks, norm_f=m_norm, head=m_head
