@@ -937,3 +937,39 @@ def test_iterative_feed_forwards_train_log_their_energies_and_resume(train_cli, 
                  "none"]) == 0
     assert [(r["step"], r["loss"]) for r in _records(split, "train")] == [
         (r["step"], r["loss"]) for r in _records(whole, "train")]
+
+
+def test_infill_fills_hidden_tokens_of_the_runs_validation_windows(tiny_run, capsys):
+    assert main(["infill", str(tiny_run), "--json", "--batches", "1", "--hide-every", "4",
+                 "--steps", "6"]) == 0
+    score = json.loads(capsys.readouterr().out)
+    assert score["hidden_tokens"] == 4 * 3  # 4 rows of 16 tokens: positions 4, 8 and 12
+    assert 0 <= score["causal_accuracy"] <= 1 and 0 <= score["infill_accuracy"] <= 1
+    assert score["energy_after"] < score["energy_before"]
+    shown, filled = score["example"]["shown"], score["example"]["filled"]
+    assert len(shown) == 16 and all(shown[i] == "_" for i in (4, 8, 12))  # one char a token
+    assert filled.count("[") == 3
+    # no sweeps: the fill is the causal readout
+    assert main(["infill", str(tiny_run), "--json", "--batches", "1", "--steps", "0"]) == 0
+    score = json.loads(capsys.readouterr().out)
+    assert score["infill_accuracy"] == score["causal_accuracy"]
+    assert score["energy_after"] == score["energy_before"]
+    assert main(["infill", str(tiny_run), "--batches", "1", "--steps", "2"]) == 0
+    assert "causal readout" in capsys.readouterr().out
+    assert main(["infill", str(tiny_run), "--hide-every", "1"]) == 1
+    assert "hide_every: expected an integer >= 2" in _one_error_line(capsys)
+
+
+@pytest.mark.slow
+def test_train_reports_the_end_of_run_fill_in(train_cli, tmp_path, capsys):
+    out = tmp_path / "filled"
+    assert train_cli("--steps", "4", "--out", str(out), "--infill-hide-every", "4") == 0
+    assert "fill-in / causal readout" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["infill"]["hide_every"] == 4 and summary["infill"]["hidden_tokens"] > 0
+    assert 0 <= summary["infill"]["infill_accuracy"] <= 1
+    assert "infill_hide_every = 4" in (out / "config.toml").read_text()
+    assert train_cli("--steps", "4", "--out", str(tmp_path / "no"),
+                     "--infill-hide-every", "1") == 1
+    assert "infill_hide_every must be 0 (no fill-in) or >= 2" in _one_error_line(capsys)
+    assert not (tmp_path / "no").exists()

@@ -168,6 +168,27 @@ def eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def infill_command(args: argparse.Namespace) -> int:
+    """`fusedpc infill RUN`: hidden tokens filled in by relaxation, against the causal
+    readout."""
+    import json
+
+    import numpy as np
+
+    from fusedpc.training import _setup, data
+    from fusedpc.training._infill import format_infill, infill_score
+
+    pipeline, tokenizer, config, metadata = _setup.load_run(args.run, argument="RUN")
+    if args.text is None:
+        ids = _setup.load_tokens(config, metadata["tokenizer"], tokenizer)[3]
+    else:
+        ids = np.asarray(tokenizer.encode(data.load_text(args.text)), np.int32)
+    score = infill_score(pipeline, config, tokenizer, ids, hide_every=args.hide_every,
+                         batches=args.batches, steps=args.steps, rate=args.rate)
+    print(json.dumps(score) if args.json else format_infill(score))
+    return 0
+
+
 def prepare_command(args: argparse.Namespace) -> int:
     """`fusedpc prepare SOURCE --out DATA`: a corpus on disk for `fusedpc train --data`."""
     from fusedpc.training.corpus import prepare_corpus

@@ -79,6 +79,8 @@ CONFIG_FLAGS: tuple[tuple[str, str], ...] = (
      "loss; 0: no guard"),
     ("--sample-tokens", "tokens of the sample generated at the end; 0: none"),
     ("--temperature", "temperature of the sample (0: greedy)"),
+    ("--infill-hide-every", "at the end, hide every K-th validation token, fill them in by "
+     "relaxation (fusedpc infill) and report the accuracy; 0: not"),
     ("--devices", "data-parallel devices; on CPU they are emulated"),
 )
 

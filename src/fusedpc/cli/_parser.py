@@ -7,6 +7,7 @@ import sys
 
 from fusedpc.cli._commands import (
     eval_command,
+    infill_command,
     prepare_command,
     report_command,
     sample_command,
@@ -22,6 +23,7 @@ from fusedpc.cli._flags import (
     setting_name,
 )
 from fusedpc.training import HOST_MEMORY_MODES
+from fusedpc.training._infill import INFILL_RATE, INFILL_STEPS
 from fusedpc.training._runtime import PLATFORMS
 
 
@@ -53,7 +55,8 @@ def build_parser() -> _Parser:
     parser.commands = {
         name: add(commands)
         for name, add in (("train", _train), ("report", _report), ("sample", _sample),
-                          ("eval", _eval), ("prepare", _prepare), ("study", _study),
+                          ("eval", _eval), ("infill", _infill), ("prepare", _prepare),
+                          ("study", _study),
                           ("bench", _bench))
     }
     return parser
@@ -189,6 +192,36 @@ def _eval(commands: _Commands) -> _Parser:
                           "run's eval_batches)")
     evaluate.set_defaults(handler=eval_command)
     return evaluate
+
+
+def _infill(commands: _Commands) -> _Parser:
+    """`fusedpc infill RUN`."""
+    infill = commands.add_parser(
+        "infill",
+        usage="fusedpc infill RUN [--text PATH] [--hide-every K] [--batches N] [--steps T] "
+        "[--rate X] [--json]",
+        help="fill in hidden tokens by relaxing them as generative latents",
+        description="Hide every K-th token of RUN's validation windows (or --text's), infer "
+        "them from the tokens on both sides by relaxing each as a distribution over the "
+        "vocabulary on the GPT's energy, and compare with the causal readout.",
+    )
+    infill.add_argument("run", metavar="RUN", help="a run folder fusedpc train wrote")
+    infill.add_argument("--text", metavar="PATH",
+                        help="a bundled text name or a UTF-8 text file (default: the run's "
+                        "validation split)")
+    infill.add_argument("--hide-every", type=int, default=8, metavar="K",
+                        help="hide positions K, 2K, ... of every window (default 8)")
+    infill.add_argument("--batches", type=int, default=None, metavar="N",
+                        help="windows: N batches of the run's batch size and length (default: "
+                        "the run's eval_batches)")
+    infill.add_argument("--steps", type=int, default=INFILL_STEPS, metavar="T",
+                        help=f"relaxation sweeps (default {INFILL_STEPS})")
+    infill.add_argument("--rate", type=float, default=INFILL_RATE, metavar="X",
+                        help=f"step size of the relaxation (default {INFILL_RATE:g})")
+    infill.add_argument("--json", action="store_true",
+                        help="print the figures as one JSON line")
+    infill.set_defaults(handler=infill_command)
+    return infill
 
 
 def _study(commands: _Commands) -> _Parser:

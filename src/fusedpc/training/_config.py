@@ -105,6 +105,9 @@ class TrainConfig:
             mean loss is not committed (`FusedPipeline`'s `loss_spike`); 0: no guard.
         sample_tokens: [training] the length of the final sample.
         temperature: [training] the temperature of the final sample.
+        infill_hide_every: [training] at the end of the run, hide every K-th token of the
+            validation windows, infer them as generative latents (`fusedpc infill`) and
+            report the fill-in and the causal readout's accuracy in the summary; 0: not.
         devices: [runtime] data-parallel devices (on CPU they are emulated).
         distributed: [runtime] whether to join a multi-process run with
             `jax.distributed.initialize()`.
@@ -149,6 +152,7 @@ class TrainConfig:
     loss_spike: float = 0.0
     sample_tokens: int = 200
     temperature: float = 0.8
+    infill_hide_every: int = 0
     # [runtime]
     devices: int = 1
     distributed: bool = False
@@ -357,6 +361,9 @@ def _check_guards(config: TrainConfig) -> None:
 def _check_temperature(config: TrainConfig) -> None:
     if not config.temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {config.temperature!r}.")
+    if config.infill_hide_every == 1 or config.infill_hide_every < 0:
+        raise ValueError(f"infill_hide_every must be 0 (no fill-in) or >= 2 (1 would hide "
+                         f"every token), got {config.infill_hide_every!r}.")
 
 
 def _check_learning_kind(config: TrainConfig) -> None:

@@ -24,7 +24,7 @@ CONFIG_NAME = "config.toml"
 RESUMABLE = frozenset(
     {
         "steps", "steps_per_call", "eval_every", "eval_batches", "report_every", "save_every",
-        "sample_tokens", "temperature", "devices", "tensorboard",
+        "sample_tokens", "temperature", "infill_hide_every", "devices", "tensorboard",
     }
 )
 """Settings a resumed run may change: none changes the batches or the maths of the updates.

@@ -45,6 +45,7 @@ import numpy as np
 from fusedpc.training import _plots, data
 from fusedpc.training._config import TrainConfig
 from fusedpc.training._config_file import CHECKPOINT_NAME, CONFIG_NAME
+from fusedpc.training._infill import infill_score
 from fusedpc.training._log import LOG_NAME
 from fusedpc.training._progress import format_duration
 from fusedpc.training._runtime import StopRequest, join_processes
@@ -78,6 +79,8 @@ class TrainResult:
     sample_prompt: str = ""
     calibration_s: float = 0.0
     """Seconds of this session's calibration trials (`--calibrate`); 0 without."""
+    infill: dict[str, Any] | None = None
+    """The end-of-run fill-in (`infill_hide_every`, `training._infill.infill_score`), or None."""
 
     def marked_sample(self) -> str:
         """The sample with its prompt in brackets: `[prompt]continuation`."""
@@ -98,6 +101,9 @@ class TrainResult:
             ("first call (compiling)", f"{self.compile_s:.1f} s"),
             *([("calibration trials", format_duration(self.calibration_s))]
               if self.calibration_s else []),
+            *([("fill-in / causal readout", f"{self.infill['infill_accuracy']:.3f} / "
+                f"{self.infill['causal_accuracy']:.3f} (every {self.infill['hide_every']}th "
+                "token hidden)")] if self.infill else []),
             ("skipped steps", _format_skips(self.skipped_steps, self.skips)),
             ("output folder", str(self.out)),
         ]
@@ -145,6 +151,10 @@ def _finish(session: _Session, interrupted: bool) -> TrainResult:
     sample, prompt = "", ""
     if not interrupted and session.config.sample_tokens > 0 and session.processes == 1:
         prompt, sample = session.sample()
+    infill = None
+    if not interrupted and session.config.infill_hide_every and session.processes == 1:
+        infill = infill_score(session.pipeline, session.config, session.tokenizer,
+                              session.val_ids, hide_every=session.config.infill_hide_every)
     losses = [r["loss"] for r in session.log.records if r.get("kind") == "train"]
     tail = [x for x in losses[-10:] if math.isfinite(x)]
     result = TrainResult(
@@ -168,13 +178,16 @@ def _finish(session: _Session, interrupted: bool) -> TrainResult:
         files=[],
         sample_prompt=prompt,
         calibration_s=session.calibration_s,
+        infill=infill,
     )
     session.log.emit({"kind": "summary", "step": session.step, "train_loss": result.train_loss,
                       "val_loss": result.val_loss, "val_perplexity": result.val_perplexity,
                       "tokens_per_s": result.tokens_per_s, "elapsed_s": result.elapsed_s,
                       "compile_s": result.compile_s, "skipped_steps": result.skipped_steps,
                       "skips": result.skips, "calibration_s": result.calibration_s,
-                      "interrupted": interrupted})
+                      "interrupted": interrupted,
+                      **({"infill": {k: v for k, v in infill.items() if k != "example"}}
+                         if infill else {})})
     session.log.close()
     if session.leader:
         plots = []

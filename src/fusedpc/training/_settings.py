@@ -61,7 +61,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "steps", "batch", "steps_per_call", "seed", "eval_every", "eval_batches",
         "report_every", "save_every", "tensorboard", "init_from", "max_update_ratio",
         "loss_spike",
-        "sample_tokens", "temperature",
+        "sample_tokens", "temperature", "infill_hide_every",
     ),
     "runtime": ("devices", "distributed"),
 }

@@ -144,7 +144,7 @@ def infill(
         grad_u = q * (g - jnp.sum(q * g, axis=-1, keepdims=True))
         return energy, jnp.where(mask, grad_u, 0.0), logits
 
-    uniform = jnp.zeros(shown.shape, jnp.float32)
+    uniform = 0.0 * shown  # zeros that XLA does not constant-fold through the softmax
     _, _, first = energy_and_gradient(uniform)
     before = jnp.concatenate([jnp.zeros_like(first[:, :1]), first[:, :-1]], axis=1)
     u0 = jnp.where(mask, before, 0.0)
