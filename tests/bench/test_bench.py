@@ -7,6 +7,7 @@ import json
 import os
 import warnings
 
+import numpy as np
 import pytest
 
 from fusedpc import _deprecation, bench
@@ -191,6 +192,29 @@ def test_tree_pc_variants_run_beside_the_single_sweep_step_and_the_twin(capsys):
     for row in by_variant.values():
         assert row["step_ms"] > 0 and row["tokens_per_s"] > 0
     assert "inference_steps" not in by_variant["fused"]
+
+
+@pytest.mark.slow
+def test_the_infill_variant_times_a_fill_in_beside_a_step(capsys):
+    argv = [*MICRO, "--in-process", "--no-donate-probe", "--variants",
+            "fused,infill,infill_T2", "--inference-steps", "3"]
+    assert bench.main(argv) == 0
+    rows, _ = _rows(capsys)
+    by_variant = {r["variant"]: r for r in rows}
+    assert set(by_variant) == {"fused", "infill", "infill_T2"}
+    assert by_variant["infill"]["inference_steps"] == 3
+    assert by_variant["infill_T2"]["inference_steps"] == 2  # T from its name
+    assert "not a training step" in by_variant["infill"]["note"]
+    assert all(row["step_ms"] > 0 for row in by_variant.values())
+    from fusedpc.bench._setup import Setup, _infill_call
+
+    call = _infill_call(Setup(bench.BenchArgs(), 2), "infill_T0")  # 0 sweeps: the causal fill
+    filled = np.asarray(call(0))
+    ids = np.asarray(Setup(bench.BenchArgs(), 2).batch(0)[0])
+    assert filled.shape == ids.shape
+    shown = np.ones(ids.shape, bool)
+    shown[:, 8::8] = False
+    assert (filled[shown] == ids[shown]).all()
 
 
 def test_bad_inference_settings_are_refused():

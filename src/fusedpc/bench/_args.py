@@ -45,6 +45,10 @@ TREE_PC_VARIANTS = ("fused_tree_pc", "fused_run_tree_pc")
 every slot, relaxed on the whole transformer's energy for `--inference-steps` sweeps at
 `--inference-rate`, `fusedpc.Relaxation`): its cost, side by side with the single sweep and
 the twin."""
+INFILL_VARIANTS = ("infill",)
+"""Not a training step: one call of `fusedpc.transformer.infill` on the batch (every 8th
+token hidden, relaxed for `--inference-steps` sweeps at `--inference-rate` as generative
+latents; `fusedpc infill`): what filling in costs, side by side with a step."""
 RUN_VARIANTS = (
     "fused_run", "fused_run_scan", "fused_run_unrolled", *CADENCE_VARIANTS,
     "fused_run_calibrated", "fused_run_iterative", "fused_run_tree_pc",
@@ -57,12 +61,12 @@ FUSED_VARIANTS = (
 """Every variant that runs a `FusedPipeline`."""
 ALL_VARIANTS = (
     VARIANTS + UNROLLED_VARIANTS + SCANNED_VARIANTS + GUARD_VARIANTS + CADENCE_VARIANTS
-    + CALIBRATED_VARIANTS + ITERATIVE_VARIANTS + TREE_PC_VARIANTS + PROBES
+    + CALIBRATED_VARIANTS + ITERATIVE_VARIANTS + TREE_PC_VARIANTS + INFILL_VARIANTS + PROBES
 )
 """Every name `--variants` accepts, besides the iterative and tree-PC variants at a given T
 (`fused_iterative_T16`, `fused_run_tree_pc_T4`: see `base_variant`)."""
 
-_AT_STEPS = re.compile(r"(fused(?:_run)?_(?:iterative|tree_pc))_T([0-9]+)")
+_AT_STEPS = re.compile(r"(fused(?:_run)?_(?:iterative|tree_pc)|infill)_T([0-9]+)")
 
 
 def base_variant(variant: str) -> str:
@@ -75,12 +79,12 @@ def base_variant(variant: str) -> str:
 
 
 def variant_inference_steps(variant: str, default: int) -> int | None:
-    """T of an iterative or tree-PC variant (from its name, else `default`); None for the
-    others."""
+    """T of an iterative, tree-PC or infill variant (from its name, else `default`); None for
+    the others."""
     match = _AT_STEPS.fullmatch(variant)
     if match:
         return int(match.group(2))
-    return default if variant in ITERATIVE_VARIANTS + TREE_PC_VARIANTS else None
+    return default if variant in ITERATIVE_VARIANTS + TREE_PC_VARIANTS + INFILL_VARIANTS else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,10 +341,12 @@ def _variant_flags(p: argparse.ArgumentParser, d: BenchArgs) -> None:
         "none: their cost), fused_iterative,fused_run_iterative (the feed-forwards learn by "
         "iterative inference; fused_iterative_T16 at T = 16, several T side by side), "
         "fused_tree_pc,fused_run_tree_pc (the fully-PC GPT: a latent after every slot, "
-        "relaxed for --inference-steps sweeps; fused_tree_pc_T4 at T = 4); fused "
-        "and fused_run use build_gpt's scan='auto' (the "
-        "sweep's default is fused_scan,fused_unrolled); the probes peak and "
-        "donation may be named too (--variants donation runs the donation probe alone)",
+        "relaxed for --inference-steps sweeps; fused_tree_pc_T4 at T = 4), infill (not a "
+        "step: every 8th token of the batch filled in by relaxation, fusedpc infill, for "
+        "--inference-steps sweeps; infill_T64 at T = 64); fused and fused_run use "
+        "build_gpt's scan='auto' (the sweep's default is fused_scan,fused_unrolled); the "
+        "probes peak and donation may be named too (--variants donation runs the donation "
+        "probe alone)",
     )
     p.add_argument(
         "--nonfinite", choices=("skip", "raise", "ignore"), default=d.nonfinite,

@@ -195,6 +195,9 @@ def variant_row(
     note = {}
     if variant == "backprop" and args.learning != "all":
         note = {"note": "the backprop twin trains every weight, whatever --learning says"}
+    if base_variant(variant) == "infill":
+        note = {"note": "not a training step: one fill-in of the batch (inference_steps sweeps); "
+                "gflops count a training step's products"}
     row = {
         "variant": variant,
         "step_ms": median * 1e3,

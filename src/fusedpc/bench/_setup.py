@@ -171,6 +171,27 @@ class Setup:
         return self.batches[i % len(self.batches)]
 
 
+def _infill_call(setup: Setup, variant: str) -> Callable:
+    """The `infill` variant's call: the batch's every 8th token hidden and relaxed as
+    generative latents (`fusedpc.transformer.infill`) at its T and `--inference-rate`."""
+    import jax
+    import jax.numpy as jnp
+
+    from fusedpc.transformer import infill
+
+    _, _, reference = setup.build(scan=True)
+    steps = variant_inference_steps(variant, setup.args.inference_steps)
+    relax = jax.jit(lambda r, ids, hidden: infill(r, ids, hidden, steps=steps,
+                                                  rate=setup.args.inference_rate).ids)
+    ids = setup.batch(0)[0]
+    hidden = setup.shard(jnp.zeros(ids.shape, bool).at[:, 8::8].set(True))
+
+    def infill_call(i: int) -> Any:
+        return relax(reference, setup.batch(i)[0], hidden)
+
+    return infill_call
+
+
 def prepare_variant(args: BenchArgs, variant: str, n_blocks: int) -> tuple[Callable, int]:
     """Build one variant.
 
@@ -210,6 +231,9 @@ def prepare_variant(args: BenchArgs, variant: str, n_blocks: int) -> tuple[Calla
             return y, e, pipeline.state
 
         return step_call, 1
+
+    if base_variant(variant) == "infill":
+        return _infill_call(setup, variant), 1
 
     if variant == "unfused":
         config, part, _ = setup.build(scan=False)
