@@ -159,6 +159,16 @@ def timed_calls(args: BenchArgs, steps_per_call: int) -> int:
     return max(math.ceil(args.steps / steps_per_call), 5)
 
 
+def _variant_note(args: BenchArgs, variant: str) -> dict[str, str]:
+    """A row's `note`, where its figures mean something else than a step's."""
+    if variant == "backprop" and args.learning != "all":
+        return {"note": "the backprop twin trains every weight, whatever --learning says"}
+    if base_variant(variant) == "infill":
+        return {"note": "not a training step: one fill-in of the batch (inference_steps "
+                "sweeps); gflops count a training step's products"}
+    return {}
+
+
 def variant_row(
     args: BenchArgs,
     variant: str,
@@ -192,12 +202,7 @@ def variant_row(
         args.vocab, args.width, args.n_heads, n_blocks, args.ff_width, args.max_len, args.batch
     )
     tokens = args.batch * args.max_len
-    note = {}
-    if variant == "backprop" and args.learning != "all":
-        note = {"note": "the backprop twin trains every weight, whatever --learning says"}
-    if base_variant(variant) == "infill":
-        note = {"note": "not a training step: one fill-in of the batch (inference_steps sweeps); "
-                "gflops count a training step's products"}
+    note = _variant_note(args, variant)
     row = {
         "variant": variant,
         "step_ms": median * 1e3,

@@ -181,6 +181,7 @@ def _infill_call(setup: Setup, variant: str) -> Callable:
 
     _, _, reference = setup.build(scan=True)
     steps = variant_inference_steps(variant, setup.args.inference_steps)
+    assert steps is not None  # an infill variant always has its T
     relax = jax.jit(lambda r, ids, hidden: infill(r, ids, hidden, steps=steps,
                                                   rate=setup.args.inference_rate).ids)
     ids = setup.batch(0)[0]
