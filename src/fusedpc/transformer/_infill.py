@@ -98,7 +98,7 @@ def infill(
     hidden: Bool[Array, "batch seq"],  # noqa: F722 - a jaxtyping shape
     *,
     steps: int = 64,
-    rate: float = 0.3,
+    rate: float = 1.0,
     optimiser: optax.GradientTransformation | None = None,
 ) -> Infill:
     """Infer the hidden tokens of `ids` from the tokens on both sides (module docstring).
