@@ -140,22 +140,31 @@ def sample_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_tokens(text: str | None, tokenizer, config, metadata: dict):
+    """The ids `eval` and `infill` read: the run's own validation split (as `train`
+    evaluates it), or `text` (a bundled name or a file) in the run's tokeniser."""
+    import numpy as np
+
+    from fusedpc.training import _setup, data
+
+    if text is None:
+        return _setup.load_tokens(config, metadata["tokenizer"], tokenizer)[3]
+    return np.asarray(tokenizer.encode(data.load_text(text)), np.int32)
+
+
 def eval_command(args: argparse.Namespace) -> int:
     """`fusedpc eval RUN`: the checkpoint's mean cross-entropy and perplexity on a text."""
     import math
-
-    import numpy as np
 
     from fusedpc.training import _setup, data
     from fusedpc.training._evaluate import evaluate
 
     pipeline, tokenizer, config, metadata = _setup.load_run(args.run, argument="RUN")
-    if args.text is None:  # the run's own validation split, as `train` evaluates it
-        ids = _setup.load_tokens(config, metadata["tokenizer"], tokenizer)[3]
+    ids = _run_tokens(args.text, tokenizer, config, metadata)
+    if args.text is None:
         source = (f"the validation split of {config.data!r}" if config.data
                   else f"the validation split of {config.text!r}")
     else:
-        ids = np.asarray(tokenizer.encode(data.load_text(args.text)), np.int32)
         source = repr(args.text)
     batches = config.eval_batches if args.batches is None else args.batches
     if batches < 1:
@@ -173,16 +182,11 @@ def infill_command(args: argparse.Namespace) -> int:
     readout."""
     import json
 
-    import numpy as np
-
-    from fusedpc.training import _setup, data
+    from fusedpc.training import _setup
     from fusedpc.training._infill import format_infill, infill_score
 
     pipeline, tokenizer, config, metadata = _setup.load_run(args.run, argument="RUN")
-    if args.text is None:
-        ids = _setup.load_tokens(config, metadata["tokenizer"], tokenizer)[3]
-    else:
-        ids = np.asarray(tokenizer.encode(data.load_text(args.text)), np.int32)
+    ids = _run_tokens(args.text, tokenizer, config, metadata)
     score = infill_score(pipeline, config, tokenizer, ids, hide_every=args.hide_every,
                          batches=args.batches, steps=args.steps, rate=args.rate)
     print(json.dumps(score) if args.json else format_infill(score))

@@ -174,6 +174,14 @@ def _sample(commands: _Commands) -> _Parser:
     return sample
 
 
+def _run_and_text(parser: argparse.ArgumentParser) -> None:
+    """`RUN` and `--text PATH`, as `eval` and `infill` read them."""
+    parser.add_argument("run", metavar="RUN", help="a run folder fusedpc train wrote")
+    parser.add_argument("--text", metavar="PATH",
+                        help="a bundled text name or a UTF-8 text file (default: the run's "
+                        "validation split)")
+
+
 def _eval(commands: _Commands) -> _Parser:
     """`fusedpc eval RUN`."""
     evaluate = commands.add_parser(
@@ -183,10 +191,7 @@ def _eval(commands: _Commands) -> _Parser:
         description="Mean cross-entropy (nats per token) and perplexity of RUN's checkpoint "
         "on --text (default: the run's own validation split, as fusedpc train measures it).",
     )
-    evaluate.add_argument("run", metavar="RUN", help="a run folder fusedpc train wrote")
-    evaluate.add_argument("--text", metavar="PATH",
-                          help="a bundled text name or a UTF-8 text file (default: the run's "
-                          "validation split)")
+    _run_and_text(evaluate)
     evaluate.add_argument("--batches", type=int, default=None, metavar="N",
                           help="batches of the run's batch size and length (default: the "
                           "run's eval_batches)")
@@ -205,10 +210,7 @@ def _infill(commands: _Commands) -> _Parser:
         "them from the tokens on both sides by relaxing each as a distribution over the "
         "vocabulary on the GPT's energy, and compare with the causal readout.",
     )
-    infill.add_argument("run", metavar="RUN", help="a run folder fusedpc train wrote")
-    infill.add_argument("--text", metavar="PATH",
-                        help="a bundled text name or a UTF-8 text file (default: the run's "
-                        "validation split)")
+    _run_and_text(infill)
     infill.add_argument("--hide-every", type=int, default=8, metavar="K",
                         help="hide positions K, 2K, ... of every window (default 8)")
     infill.add_argument("--batches", type=int, default=None, metavar="N",

@@ -18,6 +18,7 @@ import numpy as np
 
 from fusedpc.training import data
 from fusedpc.training._config import TrainConfig
+from fusedpc.training._setup import reference_skeleton
 from fusedpc.transformer._export import to_reference
 from fusedpc.transformer._infill import infill
 from fusedpc.transformer.reference import GPT
@@ -31,11 +32,7 @@ INFILL_RATE = 1.0
 def run_reference(pipeline: Any, config: TrainConfig, vocab_size: int) -> GPT:
     """The run's GPT at its current weights as the equinox reference model (its
     feed-forward readout: latents, if the run has any, do not enter it)."""
-    m = config.model
-    skeleton = GPT(vocab_size, m.width, m.n_heads, m.n_blocks, m.ff_width, m.max_len,
-                   norm=m.norm, positions=m.positions, feed_forward=m.feed_forward,
-                   branch_scale=m.branch_scale, key=jax.random.key(0))
-    return to_reference(pipeline.merge(), skeleton)
+    return to_reference(pipeline.merge(), reference_skeleton(config, vocab_size))
 
 
 def hidden_positions(shape: tuple[int, ...], hide_every: int) -> np.ndarray:

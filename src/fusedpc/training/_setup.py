@@ -147,21 +147,23 @@ def make_mesh(config: TrainConfig):
     return None if config.devices == 1 else data_mesh(config.devices)
 
 
+def reference_skeleton(config: TrainConfig, vocab_size: int):
+    """The run's GPT as a `fusedpc.transformer.reference.GPT` of its sizes and options, at
+    weights drawn from key 0 (a skeleton for `to_reference`, or for counting shapes)."""
+    from fusedpc.transformer.reference import GPT
+
+    m = config.model
+    return GPT(vocab_size, m.width, m.n_heads, m.n_blocks, m.ff_width, m.max_len,
+               norm=m.norm, positions=m.positions, feed_forward=m.feed_forward,
+               branch_scale=m.branch_scale, key=jax.random.key(0))
+
+
 def parameter_count(config: TrainConfig, vocab_size: int) -> int:
     """The model's parameters (weights, biases, tables, LayerNorm affines): those of its
     equinox twin, counted from shapes alone (`jax.eval_shape`: nothing is allocated)."""
     import equinox as eqx
 
-    from fusedpc.transformer.reference import GPT
-
-    m = config.model
-
-    def make():
-        return GPT(vocab_size, m.width, m.n_heads, m.n_blocks, m.ff_width, m.max_len,
-                   norm=m.norm, positions=m.positions, feed_forward=m.feed_forward,
-                   branch_scale=m.branch_scale, key=jax.random.key(0))
-
-    shapes = eqx.filter_eval_shape(make)
+    shapes = eqx.filter_eval_shape(reference_skeleton, config, vocab_size)
     leaves = jax.tree_util.tree_leaves(shapes)
     return int(
         sum(

@@ -41,6 +41,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from fusedpc.core._checks import positive_number
 from fusedpc.core._context import StepContext
+from fusedpc.core._part import replace_fields
 from fusedpc.parts import frozen
 from fusedpc.transformer._gpt import GPTPart
 from fusedpc.transformer._hybrid import hybrid_from_gpt
@@ -71,9 +72,7 @@ def distributions_gpt(reference: GPT) -> GPTPart:
     vocabulary `(B, T, V)` instead of ids (`GPTPart(token_input="distributions")`; its token
     slot is `frozen.linear(table.T)`)."""
     part = hybrid_from_gpt(reference, token_part=frozen.linear(reference.tok_emb.weight.T))
-    return GPTPart(part.token, part.position, part.blocks, part.norm_f, part.head,
-                   vocab_size=part.vocab_size, max_len=part.max_len,
-                   token_input="distributions")
+    return replace_fields(part, token_input="distributions")
 
 
 def _check_arguments(reference: Any, ids: Any, hidden: Any, steps: Any) -> None:
@@ -131,32 +130,35 @@ def infill(
         q = jax.nn.softmax(u, axis=-1)
         return q, jnp.where(mask, q, shown)
 
-    def energy_and_gradient(u):
+    def walk(u):
         q, r = rows(u)
         logits, cache = core.forward(state, r, ctx)
         log_p = jax.nn.log_softmax(logits, axis=-1)
         following = jnp.concatenate([r[:, 1:], jnp.zeros_like(r[:, :1])], axis=1)
-        energy = -jnp.sum(following * log_p)
+        return -jnp.sum(following * log_p), (q, cache, log_p, following, logits)
+
+    def energy_and_gradient(u):
+        energy, (q, cache, log_p, following, _) = walk(u)
         delta = jnp.exp(log_p) * jnp.sum(following, -1, keepdims=True) - following
         pulled, _, _ = core.backward(state, cache, delta, ctx)
         as_target = jnp.concatenate([jnp.zeros_like(log_p[:, :1]), -log_p[:, :-1]], axis=1)
         g = pulled + as_target
         grad_u = q * (g - jnp.sum(q * g, axis=-1, keepdims=True))
-        return energy, jnp.where(mask, grad_u, 0.0), logits
+        return energy, jnp.where(mask, grad_u, 0.0)
 
     uniform = 0.0 * shown  # zeros that XLA does not constant-fold through the softmax
-    _, _, first = energy_and_gradient(uniform)
+    first = walk(uniform)[1][-1]
     before = jnp.concatenate([jnp.zeros_like(first[:, :1]), first[:, :-1]], axis=1)
     u0 = jnp.where(mask, before, 0.0)
 
     def sweep(carry, _):
         u, opt_state = carry
-        energy, grad_u, _ = energy_and_gradient(u)
+        energy, grad_u = energy_and_gradient(u)
         updates, opt_state = optimiser.update(grad_u, opt_state, u)
         return (optax.apply_updates(u, updates), opt_state), energy
 
     (u, _), energies = jax.lax.scan(sweep, (u0, optimiser.init(u0)), None, length=steps)
-    last, _, _ = energy_and_gradient(u)
+    last = walk(u)[0]
     q, r = rows(u)
     filled = jnp.where(hidden, jnp.argmax(q, axis=-1).astype(ids.dtype), ids)
     causal = jnp.argmax(before, axis=-1).astype(ids.dtype)
