@@ -18,7 +18,10 @@ with its state donated, timed interleaved (medians of `--rounds` rounds of `--ca
 * `flat_guarded`: `flat` with the guard, its per-leaf sums taken as one segment sum over the
   flat squares, and one select per vector;
 * `flat_guarded_whole`: the same with one sum of squares per vector (no per-leaf sums: a
-  per-leaf flag, to name the part, would be computed only for a refused step).
+  per-leaf flag, to name the part, would be computed only for a refused step);
+* `flat_inside_guarded`: the state **stored per leaf** (as fusedpc stores it), concatenated
+  into the flat vectors inside the step, `flat_guarded_whole`'s Adam and guard there, and
+  split back into leaves: whether the storage layout has to change at all.
 
 Each row also gives the kernels (fusions) of the optimised program.
 
@@ -126,13 +129,35 @@ def flat(guarded: str | None, params_tree):
     return step, init
 
 
+def flat_inside(params_tree):
+    """`flat("whole")`'s step over a state stored per leaf: `(params, mu, nu, count)`, the
+    moments trees like the parameters, raveled on the way in and unraveled on the way out."""
+    flat_step, _ = flat("whole", params_tree)
+    _, unravel = ravel_pytree(params_tree)
+
+    def step(carry, x, y):
+        params, mu, nu, count = carry
+        raveled = tuple(ravel_pytree(tree)[0] for tree in (params, mu, nu))
+        (theta, mu_f, nu_f, count), value = flat_step((*raveled, count), x, y)
+        return (unravel(theta), unravel(mu_f), unravel(nu_f), count), value
+
+    def init(params):
+        def zeros():  # two trees of their own buffers: the step donates both
+            return jax.tree_util.tree_map(jnp.zeros_like, params)
+
+        return params, zeros(), zeros(), jnp.zeros((), jnp.int32)
+
+    return step, init
+
+
 def variants() -> dict[str, tuple[Callable[[], Any], int]]:
     x, y, params = _problem()
     out = {}
     made = {"per_leaf": per_leaf(None), "per_leaf_guarded": per_leaf("both"),
             "per_leaf_sums_only": per_leaf("sums"), "per_leaf_selects_only": per_leaf("selects"),
             "flat": flat(None, params), "flat_guarded": flat("segments", params),
-            "flat_guarded_whole": flat("whole", params)}
+            "flat_guarded_whole": flat("whole", params),
+            "flat_inside_guarded": flat_inside(params)}
     for name, (step, init) in made.items():
         jitted = jax.jit(step, donate_argnums=0)
         state = {"carry": init(jax.tree_util.tree_map(jnp.copy, params))}

@@ -21,7 +21,8 @@ def test_the_flat_and_per_leaf_steps_train_alike(probe):
     trained = {}
     for name, (step, init) in {"per_leaf": probe.per_leaf(None),
                                "per_leaf_guarded": probe.per_leaf("both"),
-                               "flat_guarded_whole": probe.flat("whole", params)}.items():
+                               "flat_guarded_whole": probe.flat("whole", params),
+                               "flat_inside_guarded": probe.flat_inside(params)}.items():
         carry = init(jax.tree_util.tree_map(jax.numpy.copy, params))
         for _ in range(3):
             carry, loss = jax.jit(step)(carry, x, y)
@@ -32,7 +33,8 @@ def test_the_flat_and_per_leaf_steps_train_alike(probe):
         assert other_loss == pytest.approx(loss, rel=1e-6), name
     # a non-finite batch: the guarded steps keep their state
     for name, (step, init) in {"per_leaf_guarded": probe.per_leaf("both"),
-                               "flat_guarded_whole": probe.flat("whole", params)}.items():
+                               "flat_guarded_whole": probe.flat("whole", params),
+                               "flat_inside_guarded": probe.flat_inside(params)}.items():
         carry = init(jax.tree_util.tree_map(jax.numpy.copy, params))
         kept, _ = jax.jit(step)(carry, x * np.nan, y)
         for a, b in zip(jax.tree_util.tree_leaves(kept), jax.tree_util.tree_leaves(carry)):
@@ -44,6 +46,6 @@ def test_it_prints_a_row_per_variant(probe, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["variant"] for r in rows] == [
         "per_leaf", "per_leaf_guarded", "per_leaf_sums_only", "per_leaf_selects_only", "flat",
-        "flat_guarded", "flat_guarded_whole"]
+        "flat_guarded", "flat_guarded_whole", "flat_inside_guarded"]
     assert len({r["first_loss"] for r in rows}) == 1
     assert all(r["step_ms"] > 0 and r["fusions"] > 0 for r in rows)
