@@ -11,6 +11,9 @@ same Adam; `gpt`, pyhgf's benchmark configuration (vocab 64, width 64, 4 heads, 
 * `fused_no_reports`: `step(..., detailed=False)`: the report norms not computed;
 * `fused_no_guard`: `nonfinite="ignore"`: the state committed without the finite checks;
 * `fused_bare`: both off;
+* `fused_flat_moments`: the default step with the optimiser `optax.flatten(optax.adam(1e-3))`:
+  each part's Adam moments stored as one flat vector (the same updates; its guard reads one
+  vector per moment instead of one leaf per weight);
 * `twin`: the bare `jax.grad` + optax step.
 
 This is a measurement, not a set of modes to use: `fused_no_guard` commits a NaN step.
@@ -43,6 +46,11 @@ MLP_SIZES = [64, 128, 128, 10]
 GPT_FIELDS = {"width": 64, "n_heads": 4, "n_blocks": 2, "ff_width": 256, "max_len": 32}
 
 
+ADAM = optax.adam(1e-3)
+FLAT_ADAM = optax.flatten(ADAM)
+"""Adam with its moments stored flat (`fused_flat_moments`)."""
+
+
 def _kernels(jitted, *args) -> dict[str, int]:
     return count_fusions(jitted.lower(*args).compile().as_text())
 
@@ -66,12 +74,13 @@ def mlp_variants() -> dict[str, tuple[Callable, dict]]:
     y = jax.nn.one_hot(jax.random.randint(keys[1], (64,), 0, 10), 10)
     network = fusedpc.PCNetwork(MLP_SIZES, "tanh", key=keys[2])
 
-    def tree():
-        return fusedpc.LearningNetwork(network, optax.adam(1e-3))
+    def tree(optimiser=ADAM):
+        return fusedpc.LearningNetwork(network, optimiser)
 
     out = {name: _fused(tree(), None, x, y, detailed=d, guard=g)
            for name, d, g in (("fused", True, True), ("fused_no_reports", False, True),
                               ("fused_no_guard", True, False), ("fused_bare", False, False))}
+    out["fused_flat_moments"] = _fused(tree(FLAT_ADAM), None, x, y, detailed=True, guard=True)
     params = [(jnp.asarray(w), jnp.asarray(b)) for w, b in zip(network.weights, network.biases)]
     optimiser = optax.adam(1e-3)
 
@@ -107,12 +116,14 @@ def gpt_variants() -> dict[str, tuple[Callable, dict]]:
     ids = jax.random.randint(jax.random.key(2), (16, 33), 0, 64)
     x, y = ids[:, :-1], ids[:, 1:]
 
-    def tree():
-        return fusedpc.build_gpt(config, optax.adam(1e-3), jax.random.key(0))[0]
+    def tree(optimiser=ADAM):
+        return fusedpc.build_gpt(config, optimiser, jax.random.key(0))[0]
 
     out = {name: _fused(tree(), config.error_fn, x, y, detailed=d, guard=g)
            for name, d, g in (("fused", True, True), ("fused_no_reports", False, True),
                               ("fused_no_guard", True, False), ("fused_bare", False, False))}
+    out["fused_flat_moments"] = _fused(tree(FLAT_ADAM), config.error_fn, x, y, detailed=True,
+                                       guard=True)
     _, model = fusedpc.build_gpt(config, None, jax.random.key(0))
     optimiser = optax.adam(1e-3)
     twin = jax.jit(make_backprop_step(optimiser), donate_argnums=(0, 1))
