@@ -97,8 +97,9 @@ def flat_step(record: Any, spans: dict[int, Span], vectors: tuple[Any, ...]):
     sizes = [int(leaf.size) for leaf in p_leaves]
     p = vectors[group][offset:offset + total]
     g = jnp.concatenate([jnp.ravel(x) for x in jax.tree_util.tree_leaves(record.gradients)])
-    template = jax.tree_util.tree_leaves(jax.eval_shape(
-        record.optimiser.init, jax.ShapeDtypeStruct((total,), p.dtype)))
+    template_tree = jax.eval_shape(record.optimiser.init,
+                                   jax.ShapeDtypeStruct((total,), p.dtype))
+    template = jax.tree_util.tree_leaves(template_tree)
     s_leaves, s_def = jax.tree_util.tree_flatten(record.opt_state)
     flat, runs, at = [], [], 0
     for t in template:
@@ -114,8 +115,7 @@ def flat_step(record: Any, spans: dict[int, Span], vectors: tuple[Any, ...]):
     if at != len(s_leaves):
         return None
     new_p, new_s = apply_optax(record.optimiser, p, g, jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(jax.eval_shape(
-            record.optimiser.init, jax.ShapeDtypeStruct((total,), p.dtype))), flat))
+        jax.tree_util.tree_structure(template_tree), flat))
 
     def pieces(vector: jax.Array) -> list[jax.Array]:
         starts = np.cumsum([0, *sizes])
@@ -127,8 +127,10 @@ def flat_step(record: Any, spans: dict[int, Span], vectors: tuple[Any, ...]):
     for leaf, (run, n) in zip(jax.tree_util.tree_leaves(new_s), runs):
         if run is not None:
             writes.append((run[0], run[1], leaf))
-        new_leaves.extend(pieces(leaf) if n > 1 else [jnp.reshape(leaf, s_leaves[len(
-            new_leaves)].shape)])
+        if n > 1:  # a moment over every parameter: back into one piece per parameter
+            new_leaves.extend(pieces(leaf))
+        else:  # its own leaf of the per-leaf state (a count, a one-leaf part's moment)
+            new_leaves.append(jnp.reshape(leaf, s_leaves[len(new_leaves)].shape))
     stand_ins = jax.tree_util.tree_leaves((record.new_params, record.new_state))
     values = pieces(new_p) + jax.tree_util.tree_leaves(
         jax.tree_util.tree_unflatten(s_def, new_leaves))
@@ -205,7 +207,7 @@ def packed_step(program, flat: bool):
         metrics = StepMetrics(loss=loss, committed=committed, parts=part_metrics,
                               state_finite=state_finite, skip_reason=code, input_checks=checks,
                               loss_mean=counters.loss_mean, reported=jnp.array(detailed))
-        del held
+        del held  # the unpacked leaves were kept alive until here: `spans` is keyed by id
         out = Packed(kept, packed.others, packed.structure, packed.layout, packed.dtypes)
         return (out, program._count(counters, code, loss)), StepOutput(y, input_error, metrics)
 
