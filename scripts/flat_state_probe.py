@@ -44,8 +44,9 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from fusedpc.bench._kernels import count_fusions
+from fusedpc.bench._mlp_twin import MLP_SIZES as SIZES
+from fusedpc.bench._mlp_twin import mlp_squared_error
 
-SIZES = [64, 128, 128, 10]
 B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 1e-3
 
 
@@ -58,15 +59,6 @@ def _problem():
     return x, y, params
 
 
-def _loss(params, x, y):
-    h = x
-    for i, (w, b) in enumerate(params):
-        h = h @ w.T + b
-        if i < len(params) - 1:
-            h = jnp.tanh(h)
-    return 0.5 * jnp.mean(jnp.sum((h - y) ** 2, -1))
-
-
 def _commit(ok, new, old):
     return jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
 
@@ -76,7 +68,7 @@ def per_leaf(guarded: str | None):
 
     def step(carry, x, y):
         params, opt_state = carry
-        value, grads = jax.value_and_grad(_loss)(params, x, y)
+        value, grads = jax.value_and_grad(mlp_squared_error)(params, x, y)
         with jax.numpy_dtype_promotion("standard"):
             updates, new_opt = optimiser.update(grads, opt_state, params)
         new = (optax.apply_updates(params, updates), new_opt)
@@ -104,7 +96,7 @@ def flat(guarded: str | None, params_tree):
 
     def step(carry, x, y):
         theta, mu, nu, count = carry
-        value, grads = jax.value_and_grad(lambda t: _loss(unravel(t), x, y))(theta)
+        value, grads = jax.value_and_grad(lambda t: mlp_squared_error(unravel(t), x, y))(theta)
         count = count + 1
         mu = B1 * mu + (1 - B1) * grads
         nu = B2 * nu + (1 - B2) * grads * grads

@@ -42,6 +42,7 @@ import optax
 
 import fusedpc
 from fusedpc.bench._kernels import count_fusions
+from fusedpc.bench._mlp_twin import mlp_problem, twin_call
 from fusedpc.core._context import StepContext
 from fusedpc.core._gradients import apply_optax
 from fusedpc.core._measured import Measured, resolve_pending, state_norms_finite
@@ -50,7 +51,6 @@ from fusedpc.core._norms import all_finite
 from fusedpc.core._packed import Packed
 from fusedpc.execution._step_types import StepMetrics, StepOutput
 
-MLP_SIZES = [64, 128, 128, 10]
 ADAM = optax.adam(1e-3)
 Span = tuple[int, int, int]  # (vector, offset, size)
 
@@ -215,10 +215,7 @@ def packed_step(program, flat: bool):
 
 
 def _problem():
-    keys = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(keys[0], (64, 64))
-    y = jax.nn.one_hot(jax.random.randint(keys[1], (64,), 0, 10), 10)
-    network = fusedpc.PCNetwork(MLP_SIZES, "tanh", key=keys[2])
+    x, y, network = mlp_problem()
     return x, y, fusedpc.LearningNetwork(network, ADAM)
 
 
@@ -251,37 +248,8 @@ def variants() -> dict[str, tuple[Callable[[], Any], dict, Callable[[], Any]]]:
             return result.metrics.loss
 
         out[name] = (call, kernels, state)
-    out["twin"] = _twin(x, y, tree)
+    out["twin"] = twin_call(tree.network, ADAM, x, y)
     return out
-
-
-def _twin(x, y, tree):
-    params = [(jnp.asarray(w), jnp.asarray(b))
-              for w, b in zip(tree.network.weights, tree.network.biases)]
-
-    def loss(ps):
-        h = x
-        for i, (w, b) in enumerate(ps):
-            h = h @ w.T + b
-            h = jnp.tanh(h) if i < len(ps) - 1 else h
-        return 0.5 * jnp.mean(jnp.sum((h - y) ** 2, -1))
-
-    def step(carry, _x, _y):
-        ps, opt_state = carry
-        value, grads = jax.value_and_grad(loss)(ps)
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = ADAM.update(grads, opt_state, ps)
-        return (optax.apply_updates(ps, updates), opt_state), value
-
-    jitted = jax.jit(step, donate_argnums=0)
-    box = {"carry": (params, ADAM.init(params))}
-    kernels = count_fusions(jitted.lower(box["carry"], x, y).compile().as_text())
-
-    def call():
-        box["carry"], value = jitted(box["carry"], x, y)
-        return value
-
-    return call, kernels, lambda: box["carry"][0]
 
 
 def _weights(tree_state: Any) -> list[np.ndarray]:

@@ -35,14 +35,14 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import optax
 
 import fusedpc
 from fusedpc.bench._kernels import count_fusions
+from fusedpc.bench._mlp_twin import MLP_SIZES as MLP_SIZES  # read by its tests
+from fusedpc.bench._mlp_twin import mlp_problem, twin_call
 from fusedpc.transformer.reference import make_backprop_step
 
-MLP_SIZES = [64, 128, 128, 10]
 GPT_FIELDS = {"width": 64, "n_heads": 4, "n_blocks": 2, "ff_width": 256, "max_len": 32}
 
 
@@ -69,10 +69,7 @@ def _fused(tree, error_fn, x, y, *, detailed: bool, guard: bool) -> tuple[Callab
 
 
 def mlp_variants() -> dict[str, tuple[Callable, dict]]:
-    keys = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(keys[0], (64, 64))
-    y = jax.nn.one_hot(jax.random.randint(keys[1], (64,), 0, 10), 10)
-    network = fusedpc.PCNetwork(MLP_SIZES, "tanh", key=keys[2])
+    x, y, network = mlp_problem()
 
     def tree(optimiser=ADAM):
         return fusedpc.LearningNetwork(network, optimiser)
@@ -81,33 +78,7 @@ def mlp_variants() -> dict[str, tuple[Callable, dict]]:
            for name, d, g in (("fused", True, True), ("fused_no_reports", False, True),
                               ("fused_no_guard", True, False), ("fused_bare", False, False))}
     out["fused_flat_moments"] = _fused(tree(FLAT_ADAM), None, x, y, detailed=True, guard=True)
-    params = [(jnp.asarray(w), jnp.asarray(b)) for w, b in zip(network.weights, network.biases)]
-    optimiser = optax.adam(1e-3)
-
-    def loss(ps):
-        h = x
-        for i, (w, b) in enumerate(ps):
-            h = h @ w.T + b
-            if i < len(ps) - 1:
-                h = jnp.tanh(h)
-        return 0.5 * jnp.mean(jnp.sum((h - y) ** 2, -1))
-
-    def twin_step(carry, _x, _y):
-        ps, opt_state = carry
-        value, grads = jax.value_and_grad(loss)(ps)
-        with jax.numpy_dtype_promotion("standard"):  # optax mixes floats and int counts
-            updates, opt_state = optimiser.update(grads, opt_state, ps)
-        return (optax.apply_updates(ps, updates), opt_state), value
-
-    step = jax.jit(twin_step, donate_argnums=0)
-    state = {"carry": (params, optimiser.init(params))}
-    kernels = _kernels(step, state["carry"], x, y)
-
-    def call():
-        state["carry"], value = step(state["carry"], x, y)
-        return value
-
-    out["twin"] = (call, kernels)
+    out["twin"] = twin_call(network, optax.adam(1e-3), x, y)[:2]
     return out
 
 
